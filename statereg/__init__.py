@@ -1,0 +1,62 @@
+"""statereg: declare PyTorch training state once; save, resume and fine-tune from it.
+
+Names are re-exported lazily so that `import statereg.schemas` (and the CLI's YAML checks)
+never import torch.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "load_spec": "statereg.declaration",
+    "RegistrySpec": "statereg.schemas",
+    "ComponentSpec": "statereg.schemas",
+    "StorageSpec": "statereg.schemas",
+    "Manifest": "statereg.schemas",
+    "CheckpointManager": "statereg.manager",
+    "LoadResult": "statereg.engine.load",
+    "read_manifest": "statereg.engine.inspect",
+    "verify": "statereg.engine.inspect",
+    "StateregError": "statereg.errors",
+    "SpecError": "statereg.errors",
+    "StorageError": "statereg.errors",
+    "ManifestError": "statereg.errors",
+    "CorruptCheckpointError": "statereg.errors",
+    "CheckpointMismatchError": "statereg.errors",
+    "CheckpointNotFoundError": "statereg.errors",
+    "CheckpointExistsError": "statereg.errors",
+    "LoadOrderError": "statereg.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from statereg.declaration import load_spec
+    from statereg.engine.inspect import read_manifest, verify
+    from statereg.engine.load import LoadResult
+    from statereg.errors import (
+        CheckpointExistsError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        CorruptCheckpointError,
+        LoadOrderError,
+        ManifestError,
+        SpecError,
+        StateregError,
+        StorageError,
+    )
+    from statereg.manager import CheckpointManager
+    from statereg.schemas import ComponentSpec, Manifest, RegistrySpec, StorageSpec
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'statereg' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

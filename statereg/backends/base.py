@@ -1,0 +1,243 @@
+"""A checkpoint root on one storage system: an fsspec filesystem plus a root path.
+
+The engine talks only to `StorageBackend`; scheme-specific behaviour lives in subclasses
+registered in `statereg.backends.registry`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO, Any, ClassVar
+
+import fsspec
+import xxhash
+
+from statereg.errors import StorageError
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env(options: dict[str, Any]) -> dict[str, Any]:
+    """Expand ${VAR} in string option values (recursively); a missing variable is an error."""
+
+    def expand(value: Any) -> Any:
+        if isinstance(value, str):
+
+            def sub(match: re.Match[str]) -> str:
+                name = match.group(1)
+                if name not in os.environ:
+                    raise StorageError(
+                        f"storage.options refers to ${{{name}}}, but the environment variable "
+                        f"{name} is not set; export it or remove the reference"
+                    )
+                return os.environ[name]
+
+            return _ENV_REF.sub(sub, value)
+        if isinstance(value, dict):
+            return {k: expand(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [expand(v) for v in value]
+        return value
+
+    return expand(options)
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """What the writer observed while a file was written: its path, size and checksum."""
+
+    path: str
+    size: int
+    checksum: str
+
+
+def new_hasher() -> Any:
+    """The checksum used for every file (xxh3_64: fast, from the maintained `xxhash` package)."""
+    return xxhash.xxh3_64()
+
+
+def checksum_of(hasher: Any) -> str:
+    return f"xxh3_64:{hasher.hexdigest()}"
+
+
+class FileRecorder:
+    """Collects `WrittenFile`s from concurrent writer threads during one save."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: dict[str, WrittenFile] = {}
+
+    def add(self, written: WrittenFile) -> None:
+        with self._lock:
+            self._files[written.path] = written
+
+    def files(self) -> list[WrittenFile]:
+        with self._lock:
+            return sorted(self._files.values(), key=lambda f: f.path)
+
+
+class HashingWriter(io.RawIOBase):
+    """A write-only stream that checksums bytes as they pass and reports the file on close.
+
+    `finish` runs once on close: it makes the bytes durable (fsync, or the single PUT of an
+    object store) before the file is reported, so a reported file is a stored file.
+    """
+
+    def __init__(self, path: str, sink: IO[bytes], finish: Callable[[IO[bytes]], None],
+                 on_done: Callable[[WrittenFile], None] | None) -> None:
+        super().__init__()
+        self.path = path
+        self._sink = sink
+        self._finish = finish
+        self._on_done = on_done
+        self._hasher = new_hasher()
+        self._size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._sink.write(view)
+        self._hasher.update(view)
+        self._size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self._size
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        self._finish(self._sink)
+        if self._on_done is not None:
+            self._on_done(WrittenFile(self.path, self._size, checksum_of(self._hasher)))
+
+    def abort(self) -> None:
+        """Drop the file without reporting it (used when the writer raised)."""
+        if not self.closed:
+            self._on_done = None
+            io.RawIOBase.close(self)
+            self._sink.close()
+
+
+class StorageBackend:
+    """One checkpoint root. Paths given to methods are relative to the root, '/'-separated.
+
+    The default implementation works for any fsspec filesystem: each file is buffered in memory
+    and stored with one `pipe_file` (a single PUT, or a concurrent multipart upload where the
+    filesystem offers it), and read back whole with one `cat_file`.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/") or url
+        self._options = expand_env(dict(options or {}))
+        self.fs, self.root = self._open_filesystem(self.url, self._options)
+
+    def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
+        with self._storage_op("open filesystem", ""):
+            fs, root = fsspec.core.url_to_fs(url, **options)
+        return fs, root.rstrip("/")
+
+    # -- paths and errors ---------------------------------------------------------------
+
+    def full_path(self, path: str) -> str:
+        """The filesystem path of `path` under the root (paths are str: Path collapses '//')."""
+        return f"{self.root}/{path}" if path else self.root
+
+    def display(self, path: str = "") -> str:
+        """A URL for messages: the root URL and the relative path, never the options."""
+        return f"{self.url}/{path}" if path else self.url
+
+    @contextmanager
+    def _storage_op(self, operation: str, path: str) -> Iterator[None]:
+        try:
+            yield
+        except StorageError:
+            raise
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # the client libraries raise many types; report them as one
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise StorageError(
+                f"{operation} failed for {self.display(path)}: {detail}. Check that the storage "
+                "is reachable and the credentials in storage.options allow it"
+            ) from exc
+
+    # -- writing ------------------------------------------------------------------------
+
+    def open_write(self, path: str, on_done: Callable[[WrittenFile], None] | None = None,
+                   ) -> HashingWriter:
+        """A stream for a new file; on close the file is stored and reported to `on_done`."""
+        full = self.full_path(path)
+
+        def put(buffer: IO[bytes]) -> None:
+            with self._storage_op("write", path):
+                self.fs.pipe_file(full, buffer.getbuffer())  # type: ignore[attr-defined]
+
+        return HashingWriter(path, io.BytesIO(), put, on_done)
+
+    def write_bytes(self, path: str, data: bytes) -> WrittenFile:
+        """Store a whole small file (manifest, latest, JSON state) and return what was written."""
+        done: list[WrittenFile] = []
+        with self.open_write(path, done.append) as stream:
+            stream.write(data)
+        return done[0]
+
+    def makedirs(self, path: str) -> None:
+        """Create a directory where the filesystem has them (a no-op on object stores)."""
+
+    # -- reading ------------------------------------------------------------------------
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole file; FileNotFoundError if it does not exist."""
+        with self._storage_op("read", path):
+            return self.fs.cat_file(self.full_path(path))
+
+    @contextmanager
+    def open_read(self, path: str) -> Iterator[IO[bytes]]:
+        """A seekable stream over the file, fetched with one whole-object read."""
+        yield io.BytesIO(self.read_bytes(path))
+
+    def exists(self, path: str) -> bool:
+        with self._storage_op("check", path):
+            return bool(self.fs.exists(self.full_path(path)))
+
+    def size(self, path: str) -> int:
+        with self._storage_op("stat", path):
+            return int(self.fs.size(self.full_path(path)))
+
+    def list_dir(self, path: str = "") -> list[str]:
+        """Names (not paths) of the entries directly under `path`; empty if it does not exist."""
+        full = self.full_path(path)
+        with self._storage_op("list", path):
+            try:
+                self.fs.invalidate_cache(full)
+                entries = self.fs.ls(full, detail=False)
+            except FileNotFoundError:
+                return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    # -- deleting -----------------------------------------------------------------------
+
+    def remove_file(self, path: str) -> None:
+        with self._storage_op("delete", path):
+            self.fs.rm_file(self.full_path(path))
+
+    def remove_tree(self, path: str) -> None:
+        """Delete everything under `path`; a missing path is not an error."""
+        full = self.full_path(path)
+        with self._storage_op("delete", path):
+            try:
+                self.fs.rm(full, recursive=True)
+            except FileNotFoundError:
+                return

@@ -1,0 +1,196 @@
+"""Glue that lets torch.distributed.checkpoint read and write through a StorageBackend.
+
+We reuse DCP's FileSystemWriter/Reader (planning, file splitting, writer threads) and replace
+only the filesystem underneath, for three reasons:
+- every file is checksummed while it is written and reported to a FileRecorder;
+- the backend is built once with its options (DCP's `reset(checkpoint_id)` would rebuild an
+  fsspec filesystem without them);
+- `.metadata` is written in place (no tmp + rename, which object stores cannot do atomically)
+  and read back with a restricted unpickler, since a raw `pickle.load` can run code.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemBase,
+    FileSystemReader,
+    FileSystemWriter,
+    _StorageInfo,
+)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from statereg.backends.base import FileRecorder, HashingWriter, StorageBackend
+from statereg.errors import CorruptCheckpointError
+
+METADATA_NAME = ".metadata"
+
+_ALLOWED_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only the classes DCP's `.metadata` is made of (and torch dtypes)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in DCP metadata")
+
+
+def load_dcp_metadata(data: bytes, source: str) -> Metadata:
+    """Unpickle DCP metadata bytes without running code from them."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"{source}: DCP metadata cannot be read safely ({exc}); the file is damaged or was "
+            "not written by torch.distributed.checkpoint"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{source}: not a DCP Metadata object")
+    return metadata
+
+
+class BackendFileSystem(FileSystemBase):
+    """DCP's FileSystemBase over a StorageBackend; paths are relative to the backend root."""
+
+    def __init__(self, backend: StorageBackend, recorder: FileRecorder | None = None) -> None:
+        self.backend = backend
+        self.recorder = recorder
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        path = os.fspath(path)
+        if "r" in mode:
+            with self.backend.open_read(path) as stream:
+                yield stream
+            return
+        on_done = self.recorder.add if self.recorder is not None else None
+        writer: HashingWriter = self.backend.open_write(path, on_done)
+        try:
+            yield writer
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return f"{os.fspath(path)}/{suffix}"
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return os.fspath(path)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        raise NotImplementedError("statereg's DCP glue never renames (object stores cannot)")
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.backend.makedirs(os.fspath(path))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.backend.exists(os.fspath(path))
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.backend.remove_file(os.fspath(path))
+
+
+class BackendWriter(FileSystemWriter):
+    """DCP storage writer into `path` (relative to the backend root), one fresh directory."""
+
+    def __init__(self, backend: StorageBackend, path: str, recorder: FileRecorder,
+                 thread_count: int = 1) -> None:
+        # sync_files=False: our streams are made durable by the backend before they are
+        # reported (DCP's own fsync falls back to a machine-wide os.sync() on remote streams).
+        super().__init__(path, sync_files=False, thread_count=thread_count, overwrite=False)
+        self.fs = BackendFileSystem(backend, recorder)
+        self.path = path
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = "1.0.0"
+        metadata.storage_data = {wr.index: wr.storage_data for res in results for wr in res}
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_NAME), "wb") as out:
+            pickle.dump(metadata, out)
+
+
+class BackendReader(FileSystemReader):
+    """DCP storage reader from `path` under the backend root, with safe metadata loading."""
+
+    def __init__(self, backend: StorageBackend, path: str) -> None:
+        super().__init__(path)
+        self.fs = BackendFileSystem(backend)
+        self.path = path
+        self._backend = backend
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        meta_path = self.fs.concat_path(self.path, METADATA_NAME)
+        metadata = load_dcp_metadata(
+            self._backend.read_bytes(meta_path), self._backend.display(meta_path)
+        )
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except non-tensor items load with `weights_only=True`."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CorruptCheckpointError(
+                f"item {read_item.dest_index.fqn!r} holds a pickled object outside the "
+                f"weights-only allow-list ({exc}); refusing to load it"
+            ) from None
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+__all__ = [
+    "METADATA_NAME",
+    "BackendReader",
+    "BackendWriter",
+    "SafeLoadPlanner",
+    "_StorageInfo",
+    "load_dcp_metadata",
+]

@@ -1,0 +1,67 @@
+"""Map a URL scheme to its backend class; third-party packages add backends by entry point.
+
+Callers never branch on the scheme: `open_backend(url, options)` is the whole surface.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+import fsspec
+
+from statereg.backends.base import StorageBackend
+from statereg.backends.local import LocalBackend
+from statereg.backends.memory import MemoryBackend
+from statereg.errors import SpecError
+
+ENTRY_POINT_GROUP = "statereg.backends"
+
+_BACKENDS: dict[str, type[StorageBackend]] = {}
+
+
+def register_backend(backend: type[StorageBackend]) -> type[StorageBackend]:
+    """Register `backend` for each scheme it lists (usable as a class decorator)."""
+    for scheme in backend.schemes:
+        _BACKENDS[scheme] = backend
+    return backend
+
+
+for _builtin in (LocalBackend, MemoryBackend):
+    register_backend(_builtin)
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        register_backend(entry.load())
+
+
+def url_scheme(url: str) -> str:
+    """The URL's scheme, '' for a plain path."""
+    head, sep, _ = url.partition("://")
+    return head.lower() if sep else ""
+
+
+def backend_class(url: str) -> type[StorageBackend]:
+    """The backend class for `url`: a registered one, else the generic fsspec backend."""
+    scheme = url_scheme(url)
+    if scheme not in _BACKENDS:
+        _load_entry_points()
+    if scheme in _BACKENDS:
+        return _BACKENDS[scheme]
+    if scheme in fsspec.available_protocols():
+        return StorageBackend
+    raise SpecError(
+        f"storage url {url!r}: no backend for scheme {scheme!r}; use a path, file://, memory://, "
+        f"s3://, gs:// or another fsspec protocol ({', '.join(sorted(_BACKENDS))} registered)"
+    )
+
+
+def open_backend(url: str, options: dict[str, Any] | None = None) -> StorageBackend:
+    """Open the checkpoint root at `url` with fsspec `options` (secrets stay out of messages)."""
+    return backend_class(url)(url, options)

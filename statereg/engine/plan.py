@@ -1,0 +1,99 @@
+"""Compile a declaration and a world size into a CheckpointPlan: who writes what, where, how.
+
+The plan is plain data (printable by `statereg plan`); save and load only execute it.
+Torch-free, so the CLI can print plans without starting a job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from statereg.engine.report import format_table
+from statereg.schemas.spec import Format, Kind, RegistrySpec, Sharing
+
+# Files inside a component directory.
+DCP_EXTRA_NAME = "extra.json"
+STATE_NAME = "state.json"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    """How one component is written: by which ranks, in which format, under which directory."""
+
+    name: str
+    kind: Kind
+    sharing: Sharing
+    format: Format
+    writers: tuple[int, ...]
+    files: tuple[str, ...]
+
+    @property
+    def directory(self) -> str:
+        return self.name
+
+    def json_file(self, rank: int) -> str:
+        """Path (relative to the checkpoint) of this component's JSON state as seen by `rank`."""
+        name = rank_file(rank) if self.sharing == "per_rank" else STATE_NAME
+        return f"{self.directory}/{name}"
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """The compiled declaration for one world size."""
+
+    storage: str
+    world_size: int
+    components: tuple[ComponentPlan, ...]
+
+    def component(self, name: str) -> ComponentPlan:
+        return next(c for c in self.components if c.name == name)
+
+    def render(self) -> str:
+        """A table a person can read: one line per component."""
+        header = ("component", "kind", "sharing", "format", "written by", "files")
+        rows = [header]
+        for c in self.components:
+            if len(c.writers) == self.world_size and self.world_size > 1:
+                who = "every rank"
+            else:
+                who = ", ".join(f"rank {r}" for r in c.writers)
+            rows.append((c.name, c.kind, c.sharing, c.format, who, " ".join(c.files)))
+        lines = [
+            f"storage:    {self.storage}",
+            f"world size: {self.world_size}",
+            "layout:     <storage>/step_XXXXXXXX/<component>/...  then manifest.json, then latest",
+            "",
+        ]
+        lines += format_table(rows)
+        return "\n".join(lines)
+
+
+def _component_plan(name: str, spec: RegistrySpec, world_size: int) -> ComponentPlan:
+    comp = spec.components[name]
+    sharing, fmt = comp.resolved_sharing, comp.resolved_format
+    every_rank = tuple(range(world_size))
+    if fmt == "dcp":
+        # DCP coordinates all ranks; it deduplicates replicated tensors to one writer.
+        writers = every_rank if sharing == "sharded" else (0,)
+        files = [f"{name}/__<rank>_<n>.distcp", f"{name}/.metadata"]
+        if comp.kind == "optimizer":
+            files.append(f"{name}/{DCP_EXTRA_NAME}")
+        return ComponentPlan(name, comp.kind, sharing, fmt, writers, tuple(files))
+    if sharing == "per_rank":
+        return ComponentPlan(name, comp.kind, sharing, fmt, every_rank,
+                             (f"{name}/rank_<rank>.json",))
+    return ComponentPlan(name, comp.kind, sharing, fmt, (0,), (f"{name}/{STATE_NAME}",))
+
+
+def compile_plan(spec: RegistrySpec, world_size: int = 1, storage: str | None = None,
+                 ) -> CheckpointPlan:
+    """The plan for `spec` on `world_size` ranks; `storage` is the URL to show (no options)."""
+    return CheckpointPlan(
+        storage=storage or spec.storage.url,
+        world_size=world_size,
+        components=tuple(_component_plan(n, spec, world_size) for n in spec.components),
+    )

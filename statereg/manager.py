@@ -1,0 +1,229 @@
+"""CheckpointManager: the facade a training loop talks to (save, wait, load, attach, list)."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+
+from statereg.backends.base import StorageBackend
+from statereg.backends.registry import open_backend, url_scheme
+from statereg.declaration import load_spec
+from statereg.engine.commit import (
+    Committed,
+    best_checkpoints,
+    checkpoint_name,
+    latest_committed,
+    list_committed,
+    read_manifest_at,
+    step_of,
+)
+from statereg.engine.inspect import split_checkpoint_url
+from statereg.engine.load import LoadResult, VerifyMode, load_checkpoint, select_components
+from statereg.engine.plan import CheckpointPlan, compile_plan
+from statereg.engine.save import StagingArea, capture, check_extra, save_checkpoint
+from statereg.errors import CheckpointNotFoundError, SpecError, StateregError
+from statereg.schemas.spec import RegistrySpec
+from statereg.state.factory import build_adapters, check_objects
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint's bookkeeping, read from its manifest without loading any tensor."""
+
+    step: int
+    tokens_seen: int | None
+    extra: dict[str, Any]
+    path: str
+    components: tuple[str, ...]
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+class CheckpointManager:
+    """Saves and restores the declared components of one training run.
+
+    Keyword arguments are the live objects, named by their component keys in the spec.
+    """
+
+    def __init__(self, spec: RegistrySpec | str | os.PathLike[str] | dict[str, Any],
+                 **objects: Any) -> None:
+        self.spec = spec if isinstance(spec, RegistrySpec) else load_spec(spec)
+        world_size = _world_size()
+        if world_size > 1:
+            raise StateregError(
+                f"this statereg release saves from one process; torch.distributed is running "
+                f"with {world_size} ranks. Multi-rank sharing patterns are not available yet"
+            )
+        check_objects(self.spec, objects, initial=True)
+        self._objects = dict(objects)
+        self._adapters = build_adapters(self.spec, self._objects)
+        self._backend = open_backend(self.spec.storage.url, self.spec.storage.options)
+        self.plan: CheckpointPlan = compile_plan(self.spec, world_size, self._backend.url)
+        self._pending: dict[str, Any] = {}
+        self._staging = StagingArea()
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[Committed] | None = None
+
+    # -- saving -------------------------------------------------------------------------
+
+    def save(self, step: int, tokens_seen: int | None = None,
+             extra: dict[str, Any] | None = None) -> str:
+        """Save every attached component as checkpoint `step`; returns its URL.
+
+        With `save.async: thread` this returns once the state is copied to host memory;
+        the write and commit run in the background (see `wait`).
+        """
+        if not isinstance(step, int) or step < 0:
+            raise SpecError(f"save(step={step!r}): step must be a non-negative int")
+        self.wait()
+        extra = check_extra(extra)
+        captured = capture(self.plan, self._adapters)
+        args = (self._backend, self.spec)
+        rest = (step, tokens_seen, extra)
+        if self.spec.save.async_mode == "off":
+            save_checkpoint(*args, captured, *rest)
+        else:
+            staged = self._staging.stage(captured)
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="statereg-save")
+            self._inflight = self._executor.submit(save_checkpoint, *args, staged, *rest)
+        return self._backend.display(checkpoint_name(step))
+
+    def wait(self) -> None:
+        """Block until the pending background save is committed; re-raise its failure."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.result()
+
+    # -- loading ------------------------------------------------------------------------
+
+    def _backend_for(self, root: str) -> StorageBackend:
+        same_scheme = url_scheme(root) == url_scheme(self._backend.url)
+        candidate = open_backend(root, self.spec.storage.options if same_scheme else None)
+        if (type(candidate), candidate.root) == (type(self._backend), self._backend.root):
+            return self._backend
+        return candidate
+
+    def _resolve(self, path: str | os.PathLike[str] | None, step: int | None,
+                 ) -> tuple[StorageBackend, Committed] | None:
+        if path is not None and step is not None:
+            raise SpecError("load: pass a path or a step, not both")
+        if step is not None:
+            name = checkpoint_name(step)
+            try:
+                return self._backend, Committed(name, read_manifest_at(self._backend, name))
+            except CheckpointNotFoundError:
+                have = [str(c.step) for c in list_committed(self._backend)]
+                raise CheckpointNotFoundError(
+                    f"step {step} has no committed checkpoint in {self._backend.url}; committed "
+                    f"steps: {', '.join(have) or 'none'}"
+                ) from None
+        if path is None:
+            latest = latest_committed(self._backend)
+            return None if latest is None else (self._backend, latest)
+        text = os.fspath(path)
+        if step_of(text) is not None:  # a bare checkpoint name under our root
+            return self._backend, Committed(text, read_manifest_at(self._backend, text))
+        root, name = split_checkpoint_url(text)
+        backend = self._backend_for(root)
+        return backend, Committed(name, read_manifest_at(backend, name))
+
+    def load(self, path: str | os.PathLike[str] | None = None, *, step: int | None = None,
+             exclude: list[str] | None = None, include: list[str] | None = None,
+             profile: str | None = None, strict: bool = True, verify: VerifyMode = "fast",
+             ) -> LoadResult | None:
+        """Restore a checkpoint (default: the latest committed one); None if there is none.
+
+        `exclude`/`include`/`profile` choose components (e.g. a fine-tune loads the model
+        only); `strict=False` loads the model keys that match and ignores the rest.
+        """
+        if verify not in ("off", "fast", "full"):
+            raise SpecError(f"load(verify={verify!r}): use 'off', 'fast' or 'full'")
+        exclude = list(exclude or [])
+        if profile is not None:
+            if profile not in self.spec.profiles:
+                raise SpecError(
+                    f"load(profile={profile!r}): no such profile; declared profiles: "
+                    f"{', '.join(self.spec.profiles) or 'none'}"
+                )
+            chosen = self.spec.profiles[profile]
+            exclude += chosen.exclude
+            include = include or chosen.include
+        self.wait()
+        resolved = self._resolve(path, step)
+        if resolved is None:
+            return None
+        backend, committed = resolved
+        names = select_components(self.spec.components, committed, include, exclude)
+        result, pending = load_checkpoint(backend, committed, self._adapters, names,
+                                          strict=strict, verify=verify)
+        self._pending.update(pending)
+        return result
+
+    def attach(self, **objects: Any) -> None:
+        """Give objects built after load(); saved state held for them is applied once, now."""
+        check_objects(self.spec, objects, initial=False)
+        self._objects.update(objects)
+        self._adapters = build_adapters(self.spec, self._objects)
+        for name in objects:
+            if name in self._pending:
+                adapter = self._adapters[name]
+                adapter.restore(self._pending[name])  # type: ignore[union-attr]
+                del self._pending[name]
+
+    # -- listing ------------------------------------------------------------------------
+
+    def latest(self) -> str | None:
+        """URL of the latest committed checkpoint, or None."""
+        self.wait()
+        found = latest_committed(self._backend)
+        return None if found is None else self._backend.display(found.name)
+
+    def list(self) -> list[str]:
+        """URLs of every committed checkpoint, oldest first."""
+        self.wait()
+        return [self._backend.display(c.name) for c in list_committed(self._backend)]
+
+    def best(self) -> list[str]:
+        """URLs of the checkpoints `save.keep_best` keeps, best first."""
+        self.wait()
+        chosen = best_checkpoints(list_committed(self._backend), self.spec.save)
+        return [self._backend.display(c.name) for c in chosen]
+
+    def peek(self, url: str | os.PathLike[str] | None = None) -> CheckpointInfo | None:
+        """Step, tokens and extra of a checkpoint (default: latest) without loading tensors."""
+        self.wait()
+        resolved = self._resolve(url, None)
+        if resolved is None:
+            return None
+        backend, committed = resolved
+        m = committed.manifest
+        return CheckpointInfo(m.step, m.tokens_seen, dict(m.extra),
+                              backend.display(committed.name), tuple(m.components))
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for a pending save and stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown()
+                self._executor = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,237 @@
+"""The declaration: what a user writes in statereg.yaml, as pydantic models (no torch, no I/O)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+Kind = Literal["model", "optimizer", "scheduler", "dataloader", "rng", "custom"]
+Sharing = Literal["global", "replicated", "per_rank", "per_group", "sharded"]
+Format = Literal["dcp", "json"]
+
+DEFAULT_SHARING: dict[str, Sharing] = {
+    "model": "sharded",
+    "optimizer": "sharded",
+    "scheduler": "global",
+    "dataloader": "per_rank",
+    "rng": "per_rank",
+    "custom": "global",
+}
+DEFAULT_FORMAT: dict[str, Format] = {
+    "model": "dcp",
+    "optimizer": "dcp",
+    "scheduler": "json",
+    "dataloader": "json",
+    "rng": "json",
+    "custom": "json",
+}
+TENSOR_KINDS = frozenset({"model", "optimizer"})
+
+# Component names become directory names on storage, so keep them portable.
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
+
+
+class _Declared(BaseModel):
+    """Base of every declaration model: frozen; an unknown key is an error listing allowed ones."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = {field.alias or name for name, field in cls.model_fields.items()}
+            for key in data:
+                if key not in known:
+                    raise PydanticCustomError(
+                        "unknown_field",
+                        "unknown field '{field}'; allowed fields: {allowed}",
+                        {"field": str(key), "allowed": ", ".join(sorted(known))},
+                    )
+        return data
+
+
+class PrefixSpec(_Declared):
+    """Key-prefix rules mapping live state-dict keys to the names stored in the checkpoint.
+
+    `drop` removes a leading prefix from live keys (``model.`` from a wrapper), `add` prepends
+    one. The same rules apply in reverse on load, so a checkpoint is portable between wrappings.
+    """
+
+    drop: str | None = Field(default=None, description="Leading prefix removed from live keys.")
+    add: str | None = Field(default=None, description="Prefix prepended to stored keys.")
+
+    @model_validator(mode="after")
+    def _needs_a_rule(self) -> PrefixSpec:
+        if self.drop is None and self.add is None:
+            raise ValueError("a prefix rule needs 'drop', 'add' or both")
+        return self
+
+
+class ComponentSpec(_Declared):
+    """One checkpointable object: what it is, how ranks share it, and how it is stored."""
+
+    kind: Kind = Field(description="What the object is; picks the adapter that reads its state.")
+    sharing: Sharing | None = Field(
+        default=None,
+        description="How the state is shared across ranks (default depends on kind: model and "
+        "optimizer sharded, scheduler global, dataloader and rng per_rank, custom global).",
+    )
+    format: Format | None = Field(
+        default=None,
+        description="Serialization format (default: dcp for model/optimizer, json otherwise).",
+    )
+    prefix: PrefixSpec | None = Field(default=None, description="Key-prefix rules (model only).")
+    required: bool = Field(
+        default=True,
+        description="If false, the object may be given later with mgr.attach() or left out.",
+    )
+    model: str | None = Field(
+        default=None,
+        description="For an optimizer: the model component whose parameters it updates "
+        "(default: the only model component).",
+    )
+    group: str | None = Field(
+        default=None, description="For sharing: per_group, the name of the process group."
+    )
+
+    @model_validator(mode="after")
+    def _fields_fit_kind(self) -> ComponentSpec:
+        if self.prefix is not None and self.kind not in ("model", "optimizer"):
+            raise ValueError(f"'prefix' applies to model and optimizer components, not {self.kind}")
+        if self.model is not None and self.kind != "optimizer":
+            raise ValueError("'model' applies to optimizer components only")
+        if self.format == "dcp" and self.kind not in TENSOR_KINDS | {"custom"}:
+            raise ValueError(f"format 'dcp' is for tensor state; use 'json' for {self.kind}")
+        if self.format == "json" and self.kind in TENSOR_KINDS:
+            raise ValueError(f"format 'json' cannot hold {self.kind} tensors; use 'dcp'")
+        if self.resolved_sharing == "per_group" and not self.group:
+            raise ValueError("sharing 'per_group' needs 'group': the name of the process group")
+        return self
+
+    @property
+    def resolved_sharing(self) -> Sharing:
+        """The sharing pattern, with the kind's default filled in."""
+        return self.sharing or DEFAULT_SHARING[self.kind]
+
+    @property
+    def resolved_format(self) -> Format:
+        """The format, with the kind's default filled in."""
+        return self.format or DEFAULT_FORMAT[self.kind]
+
+
+class StorageSpec(_Declared):
+    """Where checkpoints live: a URL picks the backend; options go to its fsspec filesystem."""
+
+    url: str = Field(
+        min_length=1,
+        description="Root of the run's checkpoints: a path, file://, memory://, s3:// or gs://.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec storage options; ${ENV_VAR} is expanded when the backend opens. "
+        "Never written to manifests or logs.",
+    )
+    io_threads: int = Field(
+        default=2, ge=1, le=64, description="Parallel writer threads per rank for tensor files."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url_not_blank(cls, url: str) -> str:
+        if not url.strip():
+            raise ValueError("storage url is blank; give a path or a URL such as s3://bucket/run")
+        return url.strip()
+
+
+class KeepBestSpec(_Declared):
+    """Keep the best checkpoints by a metric stored in `extra` at save time."""
+
+    metric: str = Field(min_length=1, description="Key in the `extra` dict given to save().")
+    mode: Literal["min", "max"] = Field(default="min", description="Lower or higher is better.")
+    count: int = Field(default=1, ge=1, description="How many best checkpoints to keep.")
+
+
+class SaveSpec(_Declared):
+    """How saves run and which checkpoints retention keeps."""
+
+    async_mode: Literal["off", "thread"] = Field(
+        default="off",
+        alias="async",
+        description="off: save() returns when committed; thread: save() returns once state is "
+        "copied to host memory and a background thread writes and commits it.",
+    )
+    keep_last: int | None = Field(
+        default=None, ge=1, description="Keep the newest N checkpoints (default: keep all)."
+    )
+    keep_every: int | None = Field(
+        default=None, ge=1, description="Also keep every checkpoint whose step is a multiple of N."
+    )
+    keep_best: KeepBestSpec | None = Field(
+        default=None, description="Also keep the best checkpoints by a metric in `extra`."
+    )
+
+
+class ProfileSpec(_Declared):
+    """A named selection of components for load(profile=...), e.g. a fine-tune."""
+
+    exclude: list[str] = Field(default_factory=list, description="Components not to load.")
+    include: list[str] | None = Field(
+        default=None, description="If given, load only these components."
+    )
+
+
+class RegistrySpec(_Declared):
+    """The whole declaration of a run's checkpointable state (the root of statereg.yaml)."""
+
+    version: Literal[1] = Field(default=1, description="Declaration format version.")
+    storage: StorageSpec
+    components: dict[str, ComponentSpec] = Field(min_length=1)
+    save: SaveSpec = Field(default_factory=SaveSpec)
+    profiles: dict[str, ProfileSpec] = Field(default_factory=dict)
+
+    @field_validator("components")
+    @classmethod
+    def _portable_names(cls, components: dict[str, ComponentSpec]) -> dict[str, ComponentSpec]:
+        for name in components:
+            if not _NAME.match(name):
+                raise ValueError(
+                    f"component name {name!r} must start with a letter or '_' and hold only "
+                    "letters, digits, '_' or '-' (it becomes a directory name)"
+                )
+        return components
+
+    @model_validator(mode="after")
+    def _references_resolve(self) -> RegistrySpec:
+        models = [n for n, c in self.components.items() if c.kind == "model"]
+        for name, comp in self.components.items():
+            if comp.kind != "optimizer":
+                continue
+            if comp.model is not None and comp.model not in models:
+                raise ValueError(
+                    f"components.{name}.model names {comp.model!r}, which is not a model "
+                    f"component; model components: {models or 'none'}"
+                )
+            if comp.model is None and len(models) != 1:
+                raise ValueError(
+                    f"components.{name} needs 'model': the model component it optimizes "
+                    f"(model components: {models or 'none'})"
+                )
+        for pname, profile in self.profiles.items():
+            for listed in [*profile.exclude, *(profile.include or [])]:
+                if listed not in self.components:
+                    raise ValueError(
+                        f"profiles.{pname} names unknown component {listed!r}; "
+                        f"components: {', '.join(self.components)}"
+                    )
+        return self
+
+    def model_for(self, optimizer: str) -> str:
+        """Name of the model component that the optimizer component `optimizer` updates."""
+        comp = self.components[optimizer]
+        if comp.model is not None:
+            return comp.model
+        return next(n for n, c in self.components.items() if c.kind == "model")

@@ -1,0 +1,18 @@
+"""Adapters from live objects (model, optimizer, scheduler, dataloader, RNG, custom) to state."""
+
+from statereg.state.factory import TensorAdapter, build_adapters
+from statereg.state.model import ModelAdapter, TensorMeta
+from statereg.state.objects import DataloaderAdapter, ObjectAdapter
+from statereg.state.optimizer import OptimizerAdapter
+from statereg.state.rng import RNGAdapter
+
+__all__ = [
+    "DataloaderAdapter",
+    "ModelAdapter",
+    "ObjectAdapter",
+    "OptimizerAdapter",
+    "RNGAdapter",
+    "TensorAdapter",
+    "TensorMeta",
+    "build_adapters",
+]

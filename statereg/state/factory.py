@@ -1,0 +1,68 @@
+"""Match live objects to declared components and build one adapter per component."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from statereg.errors import SpecError
+from statereg.schemas.spec import RegistrySpec
+from statereg.state.model import ModelAdapter
+from statereg.state.objects import DataloaderAdapter, ObjectAdapter
+from statereg.state.optimizer import OptimizerAdapter
+from statereg.state.rng import RNGAdapter
+
+TensorAdapter = ModelAdapter | OptimizerAdapter
+Adapter = ModelAdapter | OptimizerAdapter | ObjectAdapter | RNGAdapter
+
+
+def check_objects(spec: RegistrySpec, objects: dict[str, Any], *, initial: bool) -> None:
+    """Every object must have a declaration; at construction, every required one an object."""
+    declared = ", ".join(spec.components)
+    for key in objects:
+        if key not in spec.components:
+            raise SpecError(
+                f"object given as {key}=... has no declaration; declared components: {declared}. "
+                f"Add '{key}' under 'components:' or rename the keyword"
+            )
+        if spec.components[key].kind == "rng":
+            raise SpecError(
+                f"component {key!r} is kind 'rng', which takes no object: it captures the "
+                "process's own generators; remove the keyword"
+            )
+    if initial:
+        missing = [
+            name for name, comp in spec.components.items()
+            if comp.required and comp.kind != "rng" and name not in objects
+        ]
+        if missing:
+            raise SpecError(
+                f"declared components without an object: {', '.join(missing)}; pass them to "
+                "CheckpointManager(...) or declare them 'required: false' and attach later"
+            )
+
+
+def build_adapters(spec: RegistrySpec, objects: dict[str, Any]) -> dict[str, Adapter]:
+    """Adapters for the components that have an object now (rng always has one)."""
+    adapters: dict[str, Adapter] = {}
+    for name, comp in spec.components.items():
+        if comp.kind == "model" and name in objects:
+            adapters[name] = ModelAdapter(name, objects[name], comp.prefix)
+    for name, comp in spec.components.items():
+        if comp.kind == "rng":
+            adapters[name] = RNGAdapter(name)
+        elif name not in objects or comp.kind == "model":
+            continue
+        elif comp.kind == "optimizer":
+            model_name = spec.model_for(name)
+            model = adapters.get(model_name)
+            if not isinstance(model, ModelAdapter):
+                raise SpecError(
+                    f"component {name!r} (optimizer) needs the object of model component "
+                    f"{model_name!r} to name its parameters; pass {model_name}=..."
+                )
+            adapters[name] = OptimizerAdapter(name, objects[name], model)
+        elif comp.kind == "dataloader":
+            adapters[name] = DataloaderAdapter(name, comp.kind, objects[name])
+        else:
+            adapters[name] = ObjectAdapter(name, comp.kind, objects[name])
+    return adapters

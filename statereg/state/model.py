@@ -1,0 +1,144 @@
+"""Model adapter: stored tensor names from a live module, with prefix rules and tied weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from statereg.errors import CheckpointMismatchError, SpecError
+from statereg.schemas.spec import PrefixSpec
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a stored tensor, as DCP's metadata records it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The module whose keys are canonical: strips torch.compile and DDP/DP wrappers."""
+    while True:
+        if hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
+            module = module._orig_mod
+        elif isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            module = module.module
+        else:
+            return module
+
+
+def to_stored_name(key: str, prefix: PrefixSpec | None) -> str:
+    """Live key -> stored name: drop the `drop` prefix if present, then prepend `add`."""
+    if prefix is None:
+        return key
+    if prefix.drop and key.startswith(prefix.drop):
+        key = key[len(prefix.drop):]
+    return f"{prefix.add}{key}" if prefix.add else key
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    local = getattr(tensor, "_local_tensor", tensor)
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+            tuple(local.stride()), local.dtype)
+
+
+def mismatch_report(what: str, problems: dict[str, list[str]]) -> str:
+    """A readable multi-line report of key problems, at most 10 keys per kind."""
+    lines = [f"{what} does not fit the checkpoint:"]
+    for kind, keys in problems.items():
+        if keys:
+            more = f" (and {len(keys) - 10} more)" if len(keys) > 10 else ""
+            shown = ", ".join(keys[:10]) + more
+            lines.append(f"  {kind}: {shown}")
+    return "\n".join(lines)
+
+
+class ModelAdapter:
+    """Reads and writes a module's state dict under stored names.
+
+    Tied weights (two keys, one storage) are stored once under the first key; the others are
+    recorded as aliases, and since loading writes into the live tensors the tie survives.
+    """
+
+    kind = "model"
+
+    def __init__(self, name: str, module: nn.Module, prefix: PrefixSpec | None) -> None:
+        if not isinstance(module, nn.Module):
+            raise SpecError(
+                f"component {name!r} is declared kind 'model' but got {type(module).__name__}; "
+                "pass a torch.nn.Module"
+            )
+        self.name = name
+        self.module = module
+        self.prefix = prefix
+
+    @property
+    def live_module(self) -> nn.Module:
+        return unwrap_module(self.module)
+
+    def stored_name(self, live_key: str) -> str:
+        return to_stored_name(live_key, self.prefix)
+
+    def _live_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        tensors: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        first_by_storage: dict[tuple, str] = {}
+        for key, tensor in self.live_module.state_dict().items():
+            stored = self.stored_name(key)
+            if stored in tensors or stored in aliases:
+                raise SpecError(
+                    f"component {self.name!r}: prefix rules map two keys to {stored!r}; "
+                    "adjust prefix.drop / prefix.add"
+                )
+            storage = _storage_key(tensor)
+            if storage in first_by_storage:
+                aliases[stored] = first_by_storage[storage]
+                continue
+            first_by_storage[storage] = stored
+            tensors[stored] = tensor
+        return tensors, aliases
+
+    def capture(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Stored name -> live tensor (no copy), and manifest metadata (aliases)."""
+        tensors, aliases = self._live_tensors()
+        return tensors, {"aliases": aliases} if aliases else {}
+
+    def load_targets(self, stored: dict[str, TensorMeta], meta: dict, strict: bool,
+                     ) -> dict[str, torch.Tensor]:
+        """The live tensors to load into, after checking every key, shape and dtype.
+
+        Raises CheckpointMismatchError before anything is modified.
+        """
+        tensors, _ = self._live_tensors()
+        saved_aliases = set(meta.get("aliases", {}))
+        missing = sorted(k for k in tensors if k not in stored and k not in saved_aliases)
+        unexpected = sorted(k for k in stored if k not in tensors)
+        shape, dtype = [], []
+        for key in sorted(set(tensors) & set(stored)):
+            live, saved = tensors[key], stored[key]
+            if tuple(live.shape) != saved.shape:
+                shape.append(f"{key} (checkpoint {list(saved.shape)}, model {list(live.shape)})")
+            elif live.dtype != saved.dtype:
+                dtype.append(f"{key} (checkpoint {saved.dtype}, model {live.dtype})")
+        problems = {"shape mismatch": shape, "dtype mismatch": dtype}
+        if strict:
+            problems = {"missing in checkpoint": missing, "not in model": unexpected, **problems}
+        if any(problems.values()):
+            hint = ("pass strict=False to load the keys that match"
+                    if strict and (missing or unexpected) else
+                    "check the model's config, or the prefix rules of the component")
+            raise CheckpointMismatchError(
+                mismatch_report(f"component {self.name!r} (model)", problems) + f"\n  {hint}"
+            )
+        return {k: t for k, t in tensors.items() if k in stored}
+
+    def after_load(self, targets: dict[str, torch.Tensor], meta: dict) -> None:
+        """Fill weights that were tied when saved but are separate tensors in this model."""
+        tensors, _ = self._live_tensors()
+        with torch.no_grad():
+            for alias, canonical in meta.get("aliases", {}).items():
+                if alias in tensors and canonical in targets:
+                    tensors[alias].copy_(targets[canonical])
