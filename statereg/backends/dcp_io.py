@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
@@ -24,7 +25,6 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
     FileSystemReader,
     FileSystemWriter,
-    _StorageInfo,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
@@ -34,6 +34,13 @@ from statereg.backends.base import FileRecorder, HashingWriter, StorageBackend
 from statereg.errors import CorruptCheckpointError
 
 METADATA_NAME = ".metadata"
+
+# DCP warns on every single-process save/load; statereg chooses single-process on purpose.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    module=r"torch\.distributed\.checkpoint",
+)
 
 _ALLOWED_METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -185,12 +192,3 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
-
-__all__ = [
-    "METADATA_NAME",
-    "BackendReader",
-    "BackendWriter",
-    "SafeLoadPlanner",
-    "_StorageInfo",
-    "load_dcp_metadata",
-]

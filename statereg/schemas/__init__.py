@@ -1,5 +1,6 @@
 """Declaration and manifest models: pydantic only, importable without torch."""
 
+from statereg.schemas.export import SCHEMA_FILES, json_schema
 from statereg.schemas.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -21,6 +22,7 @@ from statereg.schemas.spec import (
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "SCHEMA_FILES",
     "ComponentRecord",
     "ComponentSpec",
     "FileRecord",
@@ -31,5 +33,6 @@ __all__ = [
     "RegistrySpec",
     "SaveSpec",
     "StorageSpec",
+    "json_schema",
     "parse_manifest",
 ]

@@ -1,0 +1,138 @@
+"""The `statereg` command: plan, schema, ls, inspect, verify.
+
+`plan` and `schema` never import torch, so they answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from statereg.errors import SpecError, StateregError
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """Storage options from --spec (its storage.options) and/or --options JSON."""
+    options: dict[str, Any] = {}
+    if args.spec:
+        from statereg.declaration import load_spec
+
+        options.update(load_spec(args.spec).storage.options)
+    if args.options:
+        try:
+            given = json.loads(args.options)
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"--options is not valid JSON: {exc}") from None
+        if not isinstance(given, dict):
+            raise SpecError("--options must be a JSON object, e.g. '{\"anon\": true}'")
+        options.update(given)
+    return options
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from statereg.declaration import load_spec
+    from statereg.engine.plan import compile_plan
+
+    spec = load_spec(args.file)
+    print(compile_plan(spec, args.world_size).render())
+
+
+def cmd_schema(args: argparse.Namespace) -> None:
+    from statereg.schemas import json_schema
+
+    print(json.dumps(json_schema(args.which), indent=2, sort_keys=True))
+
+
+def cmd_ls(args: argparse.Namespace) -> None:
+    from statereg.backends.registry import open_backend
+    from statereg.engine.commit import list_committed, read_latest
+    from statereg.engine.report import format_bytes, format_table
+
+    backend = open_backend(args.root, _options(args))
+    committed = list_committed(backend)
+    if not committed:
+        print(f"no committed checkpoints in {backend.url}")
+        return
+    latest = read_latest(backend)
+    rows = [("checkpoint", "step", "tokens", "size", "created", "extra")]
+    for c in committed:
+        m = c.manifest
+        mark = " (latest)" if c.name == latest else ""
+        rows.append((c.name + mark, str(m.step), "-" if m.tokens_seen is None else str(m.tokens_seen),
+                     format_bytes(m.total_bytes), m.created_at, json.dumps(m.extra)))
+    print("\n".join(format_table(rows)))
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from statereg.engine.inspect import describe, read_manifest
+
+    manifest = read_manifest(args.url, _options(args))
+    if args.json:
+        print(manifest.to_json().decode())
+    else:
+        print(describe(manifest, args.url))
+
+
+def cmd_verify(args: argparse.Namespace) -> None:
+    from statereg.engine.inspect import verify
+    from statereg.engine.report import format_bytes
+
+    manifest = verify(args.url, _options(args))
+    print(f"ok: {args.url}: {len(manifest.files)} files, {format_bytes(manifest.total_bytes)}, "
+          "every size and checksum matches the manifest")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="statereg", description="Declarative PyTorch training checkpoints."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="show who writes which component, where and how")
+    p.add_argument("file", help="statereg.yaml")
+    p.add_argument("--world-size", type=int, default=1, help="ranks to plan for (default 1)")
+    p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of statereg.yaml or of manifest.json")
+    p.add_argument("which", nargs="?", choices=("spec", "manifest"), default="spec")
+    p.set_defaults(run=cmd_schema)
+
+    def storage_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--spec", help="take storage options from this statereg.yaml")
+        p.add_argument("--options", help="storage options as a JSON object")
+
+    p = sub.add_parser("ls", help="list committed checkpoints under a root")
+    p.add_argument("root", help="checkpoint root: path or URL")
+    storage_args(p)
+    p.set_defaults(run=cmd_ls)
+
+    p = sub.add_parser("inspect", help="show a checkpoint's manifest: components, sizes, versions")
+    p.add_argument("url", help="checkpoint path or URL, e.g. ./checkpoints/step_00000100")
+    p.add_argument("--json", action="store_true", help="print the raw manifest")
+    storage_args(p)
+    p.set_defaults(run=cmd_inspect)
+
+    p = sub.add_parser("verify", help="recompute every file's size and checksum")
+    p.add_argument("url", help="checkpoint path or URL")
+    storage_args(p)
+    p.set_defaults(run=cmd_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except StateregError as exc:
+        print(f"statereg {args.command}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, SpecError) else 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The `statereg` command: each subcommand on a real checkpoint, errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import statereg
+from statereg.cli import main
+from statereg.schemas import SCHEMA_FILES, json_schema
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _spec(root: Path) -> dict:
+    return {
+        "storage": {"url": str(root)},
+        "components": {"model": {"kind": "model"}, "rng": {"kind": "rng"}},
+    }
+
+
+@pytest.fixture
+def committed(tmp_path: Path) -> Path:
+    root = tmp_path / "ckpts"
+    mgr = statereg.CheckpointManager(_spec(root), model=nn.Linear(4, 3))
+    mgr.save(step=5, tokens_seen=640, extra={"loss": 1.5})
+    mgr.save(step=10, tokens_seen=1280, extra={"loss": 1.25})
+    return root
+
+
+@pytest.mark.parametrize("which", sorted(SCHEMA_FILES))
+def test_published_json_schemas_are_current(which: str) -> None:
+    published = json.loads((REPO / "schemas" / SCHEMA_FILES[which]).read_text())
+    assert published == json_schema(which), (
+        f"schemas/{SCHEMA_FILES[which]} is stale: regenerate it with "
+        f"`statereg schema {which} > schemas/{SCHEMA_FILES[which]}`"
+    )
+
+
+def test_schema_prints_the_declaration_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert set(schema["properties"]) == {"version", "storage", "components", "save", "profiles"}
+
+
+def test_plan_shows_each_component_writer_and_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    yaml_file = tmp_path / "statereg.yaml"
+    yaml_file.write_text(
+        "storage: {url: s3://bucket/run}\n"
+        "components:\n"
+        "  model: {kind: model}\n"
+        "  sched: {kind: scheduler}\n"
+        "  rng: {kind: rng}\n"
+    )
+    assert main(["plan", str(yaml_file), "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "s3://bucket/run" in out
+    assert "world size: 4" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "sharded" in lines["model"] and "every rank" in lines["model"]
+    assert "global" in lines["sched"] and "rank 0" in lines["sched"] and "json" in lines["sched"]
+    assert "per_rank" in lines["rng"] and "rng/rank_<rank>.json" in lines["rng"]
+
+
+def test_plan_runs_without_torch(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "statereg.yaml"
+    yaml_file.write_text("storage: {url: ./c}\ncomponents: {model: {kind: model}}\n")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from statereg.cli import main\n"
+        f"sys.exit(main(['plan', {str(yaml_file)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "model" in done.stdout
+
+
+def test_invalid_yaml_is_one_clear_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    yaml_file = tmp_path / "statereg.yaml"
+    yaml_file.write_text("storage: {url: ./c}\ncomponents: {model: {kind: model, sharing: shard}}\n")
+    assert main(["plan", str(yaml_file)]) == 2
+    err = capsys.readouterr().err
+    assert str(yaml_file) in err
+    assert "components.model.sharing" in err and "'sharded'" in err
+    assert "Traceback" not in err
+
+
+def test_ls_lists_committed_checkpoints_and_marks_latest(
+    committed: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (committed / "step_00000015").mkdir()  # an interrupted save: no manifest
+    assert main(["ls", str(committed)]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000005" in out
+    assert "step_00000010 (latest)" in out
+    assert "step_00000015" not in out
+
+
+def test_inspect_reports_components_tensors_step_and_versions(
+    committed: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["inspect", str(committed / "step_00000010")]) == 0
+    out = capsys.readouterr().out
+    assert "step:        10" in out
+    assert "tokens_seen: 1280" in out
+    assert f"torch {torch.__version__}" in out
+    model_line = next(line for line in out.splitlines() if line.startswith("model "))
+    assert model_line.split()[:5] == ["model", "model", "sharded", "dcp", "2"]
+
+
+def test_verify_passes_then_names_a_damaged_file(
+    committed: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = str(committed / "step_00000010")
+    assert main(["verify", url]) == 0
+    assert "every size and checksum matches" in capsys.readouterr().out
+    victim = next((committed / "step_00000010" / "model").glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["verify", url]) == 1
+    err = capsys.readouterr().err
+    assert f"model/{victim.name}" in err and "checksum" in err
+
+
+def test_console_script_is_installed() -> None:
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("statereg")), "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0
+    for command in ("plan", "schema", "ls", "inspect", "verify"):
+        assert command in done.stdout
