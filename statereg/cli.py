@@ -61,8 +61,9 @@ def cmd_ls(args: argparse.Namespace) -> None:
     for c in committed:
         m = c.manifest
         mark = " (latest)" if c.name == latest else ""
-        rows.append((c.name + mark, str(m.step), "-" if m.tokens_seen is None else str(m.tokens_seen),
-                     format_bytes(m.total_bytes), m.created_at, json.dumps(m.extra)))
+        tokens = "-" if m.tokens_seen is None else str(m.tokens_seen)
+        rows.append((c.name + mark, str(m.step), tokens, format_bytes(m.total_bytes),
+                     m.created_at, json.dumps(m.extra)))
     print("\n".join(format_table(rows)))
 
 

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import torch.distributed as dist
-
 from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend, url_scheme
 from statereg.declaration import load_spec
@@ -25,8 +23,16 @@ from statereg.engine.commit import (
 from statereg.engine.inspect import split_checkpoint_url
 from statereg.engine.load import LoadResult, VerifyMode, load_checkpoint, select_components
 from statereg.engine.plan import CheckpointPlan, compile_plan
-from statereg.engine.save import StagingArea, capture, check_extra, save_checkpoint
-from statereg.errors import CheckpointNotFoundError, SpecError, StateregError
+from statereg.engine.save import (
+    StagingArea,
+    capture,
+    check_consistency,
+    check_extra,
+    check_replicas,
+    save_checkpoint,
+)
+from statereg.engine.world import World, attempt
+from statereg.errors import CheckpointNotFoundError, SpecError
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.factory import build_adapters, check_objects
 
@@ -42,34 +48,25 @@ class CheckpointInfo:
     components: tuple[str, ...]
 
 
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
 class CheckpointManager:
     """Saves and restores the declared components of one training run.
 
     Keyword arguments are the live objects, named by their component keys in the spec.
+    Under torch.distributed, construct it on every rank, in the same order as other
+    collectives; `groups` names the process groups of `per_group` components.
     """
 
-    def __init__(self, spec: RegistrySpec | str | os.PathLike[str] | dict[str, Any],
-                 **objects: Any) -> None:
+    def __init__(self, spec: RegistrySpec | str | os.PathLike[str] | dict[str, Any], *,
+                 groups: dict[str, Any] | None = None, **objects: Any) -> None:
         self.spec = spec if isinstance(spec, RegistrySpec) else load_spec(spec)
-        world_size = _world_size()
-        if world_size > 1:
-            raise StateregError(
-                f"this statereg release saves from one process; torch.distributed is running "
-                f"with {world_size} ranks. Multi-rank sharing patterns are not available yet"
-            )
         check_objects(self.spec, objects, initial=True)
+        self.world = World.detect(groups)
         self._objects = dict(objects)
         self._adapters = build_adapters(self.spec, self._objects)
         self._backend = open_backend(self.spec.storage.url, self.spec.storage.options)
-        self.plan: CheckpointPlan = compile_plan(self.spec, world_size, self._backend.url)
+        self.plan: CheckpointPlan = compile_plan(self.spec, self.world.size, self._backend.url)
         self._pending: dict[str, Any] = {}
-        self._staging = StagingArea()
+        self._staging = StagingArea(pinned=self.spec.save.async_mode == "pinned")
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[Committed] | None = None
 
@@ -86,9 +83,14 @@ class CheckpointManager:
             raise SpecError(f"save(step={step!r}): step must be a non-negative int")
         self.wait()
         extra = check_extra(extra)
-        captured = capture(self.plan, self._adapters)
+        world = self.world
+        captured, error = attempt(capture, self.plan, self._adapters, world)
+        world.agree(error, f"save of step {step}: reading state")
+        check_consistency(world, self.spec, captured)
+        _, error = attempt(check_replicas, world, captured)
+        world.agree(error, f"save of step {step}: validating replicas")
         args = (self._backend, self.spec)
-        rest = (step, tokens_seen, extra)
+        rest = (step, tokens_seen, extra, world)
         if self.spec.save.async_mode == "off":
             save_checkpoint(*args, captured, *rest)
         else:
@@ -128,8 +130,13 @@ class CheckpointManager:
                     f"steps: {', '.join(have) or 'none'}"
                 ) from None
         if path is None:
-            latest = latest_committed(self._backend)
-            return None if latest is None else (self._backend, latest)
+            # Rank 0 decides, so every rank loads the same checkpoint even if one is
+            # committed meanwhile.
+            latest = latest_committed(self._backend) if self.world.rank == 0 else None
+            name = self.world.broadcast(None if latest is None else latest.name)
+            if name is None:
+                return None
+            return self._backend, Committed(name, read_manifest_at(self._backend, name))
         text = os.fspath(path)
         if step_of(text) is not None:  # a bare checkpoint name under our root
             return self._backend, Committed(text, read_manifest_at(self._backend, text))
@@ -164,8 +171,8 @@ class CheckpointManager:
             return None
         backend, committed = resolved
         names = select_components(self.spec.components, committed, include, exclude)
-        result, pending = load_checkpoint(backend, committed, self._adapters, names,
-                                          strict=strict, verify=verify)
+        result, pending = load_checkpoint(backend, committed, self.plan, self._adapters, names,
+                                          self.world, strict=strict, verify=verify)
         self._pending.update(pending)
         return result
 

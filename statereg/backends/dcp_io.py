@@ -14,6 +14,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import queue
+import threading
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -25,10 +27,12 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
     FileSystemReader,
     FileSystemWriter,
+    _write_files_from_queue,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import ReadItem, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from statereg.backends.base import FileRecorder, HashingWriter, StorageBackend
 from statereg.errors import CorruptCheckpointError
@@ -145,6 +149,36 @@ class BackendWriter(FileSystemWriter):
         super().__init__(path, sync_files=False, thread_count=thread_count, overwrite=False)
         self.fs = BackendFileSystem(backend, recorder)
         self.path = path
+
+    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future:
+        # DCP's version runs extra writer threads whose exceptions are printed and lost, and
+        # then commits metadata without their files; ours raises the first failure.
+        results: queue.Queue = queue.Queue()
+        errors: list[BaseException] = []
+
+        def drain_queue() -> None:
+            try:
+                _write_files_from_queue(
+                    create_stream=self.fs.create_stream, file_queue=file_queue,
+                    result_queue=results, planner=planner, transforms=self.transforms,
+                    inflight_threshhold=self.per_thread_copy_ahead, use_fsync=self.sync_files,
+                    thread_count=self.thread_count, serialization_format=self.serialization_format,
+                )
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=drain_queue, name=f"statereg-write-{i}")
+                   for i in range(1, self.thread_count)]
+        for thread in threads:
+            thread.start()
+        drain_queue()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        done: Future = Future()
+        done.set_result([wr for _ in range(results.qsize()) for wr in results.get_nowait()])
+        return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = "1.0.0"

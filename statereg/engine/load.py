@@ -20,8 +20,9 @@ from statereg.backends.base import StorageBackend, checksum_of, new_hasher
 from statereg.backends.dcp_io import BackendReader, SafeLoadPlanner
 from statereg.engine.commit import Committed
 from statereg.engine.jsonstate import decode_state
-from statereg.engine.plan import DCP_EXTRA_NAME, STATE_NAME, rank_file
+from statereg.engine.plan import DCP_EXTRA_NAME, CheckpointPlan, ComponentPlan
 from statereg.engine.report import Progress, describe_rate
+from statereg.engine.world import World, attempt
 from statereg.errors import CheckpointMismatchError, CorruptCheckpointError, SpecError
 from statereg.schemas.manifest import ComponentRecord, FileRecord
 from statereg.state.factory import Adapter
@@ -114,76 +115,136 @@ def _read_json(backend: StorageBackend, path: str) -> Any:
     return decode_state(backend.read_bytes(path), backend.display(path))
 
 
-def _prepare(backend: StorageBackend, ckpt: str, name: str, record: ComponentRecord,
-             adapter: Adapter | None, strict: bool, rank: int) -> tuple[Callable[[], None], Any]:
-    """Check one component and return (apply, pending state for a not-yet-attached object)."""
-    if record.format == "dcp":
-        reader = BackendReader(backend, f"{ckpt}/{name}")
-        if isinstance(adapter, ModelAdapter):
-            targets = adapter.load_targets(stored_tensor_metas(reader), record.meta, strict)
+def _dcp_target(cplan: ComponentPlan, world: World) -> tuple[str, Any]:
+    """(directory, process group) of a DCP component for this rank."""
+    if cplan.sharing == "per_group":
+        return cplan.directory(world.group_id(cplan.group)), world.groups[cplan.group]
+    return cplan.directory(), world.group
 
-            def apply_model() -> None:
-                dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-                adapter.after_load(targets, record.meta)
 
-            return apply_model, None
-        if isinstance(adapter, OptimizerAdapter):
-            extra = _read_json(backend, f"{ckpt}/{name}/{DCP_EXTRA_NAME}")
-            opt_targets = adapter.load_targets(stored_tensor_metas(reader), extra)
+def _prepare_dcp(backend: StorageBackend, ckpt: str, cplan: ComponentPlan,
+                 record: ComponentRecord, adapter: Adapter | None, strict: bool,
+                 world: World) -> Callable[[], None]:
+    directory, group = _dcp_target(cplan, world)
+    reader = BackendReader(backend, f"{ckpt}/{directory}")
 
-            def apply_optimizer() -> None:
-                dcp.load(opt_targets, storage_reader=reader, planner=SafeLoadPlanner(),
-                         no_dist=True)
-                adapter.apply(opt_targets, extra)
+    def load_into(targets: dict[str, Any]) -> None:
+        dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(),
+                 process_group=group, no_dist=group is None)
 
-            return apply_optimizer, None
-        if adapter is None:
-            return lambda: None, None
-        state = adapter.capture()
-
-        def apply_object_dcp() -> None:
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-            adapter.restore(state)
-
-        return apply_object_dcp, None
-    filename = rank_file(rank) if record.sharing == "per_rank" else STATE_NAME
-    path = f"{ckpt}/{name}/{filename}"
-    if f"{name}/{filename}" not in record.files:
-        raise CheckpointMismatchError(
-            f"{backend.display(ckpt)}: component {name!r} has no state for rank {rank} "
-            f"(files: {', '.join(record.files)})"
-        )
-    state = _read_json(backend, path)
+    if isinstance(adapter, ModelAdapter):
+        targets = adapter.load_targets(stored_tensor_metas(reader), record.meta, strict)
+        return lambda: (load_into(targets), adapter.after_load(targets, record.meta))
+    if isinstance(adapter, OptimizerAdapter):
+        extra = _read_json(backend, f"{ckpt}/{directory}/{DCP_EXTRA_NAME}")
+        opt_targets = adapter.load_targets(stored_tensor_metas(reader), extra)
+        return lambda: (load_into(opt_targets), adapter.apply(opt_targets, extra))
     if adapter is None:
-        return lambda: None, state
-    return lambda: adapter.restore(state), None
+        raise SpecError(
+            f"component {cplan.name!r} (format dcp) has no object to load into; pass it to "
+            "CheckpointManager(...) or exclude it"
+        )
+    state = adapter.capture()
+    return lambda: (load_into(state), adapter.restore(state))
 
 
-def load_checkpoint(backend: StorageBackend, committed: Committed, adapters: dict[str, Adapter],
-                    names: list[str], strict: bool = True, verify: VerifyMode = "fast",
-                    rank: int = 0) -> tuple[LoadResult, dict[str, Any]]:
-    """Load `names` from a committed checkpoint into their adapters.
+def _read_per_rank(backend: StorageBackend, ckpt: str, cplan: ComponentPlan,
+                   record: ComponentRecord, adapter: Adapter | None, saved_size: int,
+                   world: World) -> Any:
+    """This rank's state of a per_rank component, applying the world-size-change policy."""
+    if saved_size == world.size:
+        return _read_json(backend, f"{ckpt}/{cplan.json_file(world.rank)}")
+    policy = cplan.on_world_size_change
+    if policy == "error":
+        raise CheckpointMismatchError(
+            f"component {cplan.name!r} holds per-rank state of {saved_size} ranks, this job "
+            f"has {world.size} (checkpoint={saved_size}, current={world.size}): the world "
+            "size changed (or num_workers / seeds differ per rank). Resume with "
+            f"{saved_size} ranks, exclude the component, or declare on_world_size_change: "
+            "reset | reshard (see docs/distributed.md)"
+        )
+    if policy == "reset":
+        logger.warning("%s: world size changed (%d -> %d); %r keeps its fresh state",
+                       backend.display(ckpt), saved_size, world.size, cplan.name)
+        return None
+    if adapter is None or not hasattr(adapter, "reshard"):
+        raise SpecError(
+            f"component {cplan.name!r} declares on_world_size_change: reshard, which needs its "
+            "object at load time; pass it to CheckpointManager(...) before load()"
+        )
+    states = [_read_json(backend, f"{ckpt}/{cplan.json_file(r)}") for r in range(saved_size)]
+    return adapter.reshard(states, world.rank, world.size)
+
+
+def _prepare(backend: StorageBackend, ckpt: str, cplan: ComponentPlan, record: ComponentRecord,
+             adapter: Adapter | None, strict: bool, saved_size: int, world: World,
+             ) -> tuple[Callable[[], None], Any]:
+    """Check one component and return (apply, state held for a not-yet-attached object)."""
+    if record.format == "dcp":
+        return _prepare_dcp(backend, ckpt, cplan, record, adapter, strict, world), None
+    if record.sharing == "per_rank":
+        state = _read_per_rank(backend, ckpt, cplan, record, adapter, saved_size, world)
+        if state is None:
+            return (lambda: None), None
+    else:
+        group_id = world.group_id(cplan.group) if cplan.sharing == "per_group" else None
+        path = cplan.json_file(world.rank, group_id)
+        if path not in record.files:
+            raise CheckpointMismatchError(
+                f"{backend.display(ckpt)}: component {cplan.name!r} has no {path} "
+                f"(it has {', '.join(record.files)}); were the process groups different?"
+            )
+        state = _read_json(backend, f"{ckpt}/{path}")
+    if adapter is None:
+        return (lambda: None), state
+    return (lambda: adapter.restore(state)), None
+
+
+def _verify_share(backend: StorageBackend, committed: Committed, files: list[FileRecord],
+                  mode: VerifyMode, world: World) -> None:
+    """Each rank verifies every world.size-th file, so the work is spread over the ranks."""
+    verify_files(backend, committed.name, files[world.rank::world.size], mode)
+
+
+def load_checkpoint(backend: StorageBackend, committed: Committed, plan: CheckpointPlan,
+                    adapters: dict[str, Adapter], names: list[str], world: World,
+                    strict: bool = True, verify: VerifyMode = "fast",
+                    ) -> tuple[LoadResult, dict[str, Any]]:
+    """Load `names` from a committed checkpoint into their adapters, on every rank.
 
     Returns the result and the states of components whose objects are not attached yet.
+    Any rank's failure is raised on every rank, before anything is modified where possible.
     """
     started = time.perf_counter()
     manifest = committed.manifest
     selected_files = {p for n in names for p in manifest.components[n].files}
     files = [f for f in manifest.files if f.path in selected_files]
-    verify_files(backend, committed.name, files, verify)
+    _, error = attempt(_verify_share, backend, committed, files, verify, world)
+    world.agree(error, f"verifying {backend.display(committed.name)}")
     steps: list[tuple[str, Callable[[], None]]] = []
     pending: dict[str, Any] = {}
-    for name in names:
-        apply, state = _prepare(backend, committed.name, name, manifest.components[name],
-                                adapters.get(name), strict, rank)
-        steps.append((name, apply))
-        if state is not None:
-            pending[name] = state
+
+    def prepare_all() -> None:
+        for name in names:
+            apply, state = _prepare(backend, committed.name, plan.component(name),
+                                    manifest.components[name], adapters.get(name), strict,
+                                    manifest.world_size, world)
+            steps.append((name, apply))
+            if state is not None:
+                pending[name] = state
+
+    _, error = attempt(prepare_all)
+    world.agree(error, f"checking {backend.display(committed.name)}")
     nbytes = sum(f.size for f in files)
-    with Progress(nbytes, f"load {committed.name}") as progress, torch.no_grad():
-        for name, apply in steps:
-            apply()
-            progress.update(manifest.components[name].bytes)
+
+    def apply_all() -> None:
+        with Progress(nbytes, f"load {committed.name}") as progress, torch.no_grad():
+            for name, apply in steps:
+                apply()
+                progress.update(manifest.components[name].bytes)
+
+    _, error = attempt(apply_all)
+    world.agree(error, f"loading {backend.display(committed.name)}")
     elapsed = time.perf_counter() - started
     logger.info("loaded %s: %s (%s)", backend.display(committed.name),
                 describe_rate(nbytes, elapsed), ", ".join(names))

@@ -30,15 +30,18 @@ class ComponentPlan:
     format: Format
     writers: tuple[int, ...]
     files: tuple[str, ...]
+    group: str | None = None
+    validate: bool = False
+    on_world_size_change: str = "error"
 
-    @property
-    def directory(self) -> str:
-        return self.name
+    def directory(self, group_id: str | None = None) -> str:
+        """Where this component's files go: its own directory, per group for per_group."""
+        return f"{self.name}/{group_id}" if self.sharing == "per_group" else self.name
 
-    def json_file(self, rank: int) -> str:
+    def json_file(self, rank: int, group_id: str | None = None) -> str:
         """Path (relative to the checkpoint) of this component's JSON state as seen by `rank`."""
         name = rank_file(rank) if self.sharing == "per_rank" else STATE_NAME
-        return f"{self.directory}/{name}"
+        return f"{self.directory(group_id)}/{name}"
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ class CheckpointPlan:
         header = ("component", "kind", "sharing", "format", "written by", "files")
         rows = [header]
         for c in self.components:
-            if len(c.writers) == self.world_size and self.world_size > 1:
+            if c.sharing == "per_group":
+                who = f"rank 0 of each {c.group!r} group"
+            elif len(c.writers) == self.world_size and self.world_size > 1:
                 who = "every rank"
             else:
                 who = ", ".join(f"rank {r}" for r in c.writers)
@@ -76,17 +81,19 @@ def _component_plan(name: str, spec: RegistrySpec, world_size: int) -> Component
     comp = spec.components[name]
     sharing, fmt = comp.resolved_sharing, comp.resolved_format
     every_rank = tuple(range(world_size))
+    where = f"{name}/group_<lowest rank>" if sharing == "per_group" else name
     if fmt == "dcp":
-        # DCP coordinates all ranks; it deduplicates replicated tensors to one writer.
-        writers = every_rank if sharing == "sharded" else (0,)
-        files = [f"{name}/__<rank>_<n>.distcp", f"{name}/.metadata"]
+        # DCP spreads replicated tensors over the ranks, one copy each; global is rank 0's.
+        writers = (0,) if sharing == "global" else every_rank
+        files = [f"{where}/__<rank>_<n>.distcp", f"{where}/.metadata"]
         if comp.kind == "optimizer":
-            files.append(f"{name}/{DCP_EXTRA_NAME}")
-        return ComponentPlan(name, comp.kind, sharing, fmt, writers, tuple(files))
-    if sharing == "per_rank":
-        return ComponentPlan(name, comp.kind, sharing, fmt, every_rank,
-                             (f"{name}/rank_<rank>.json",))
-    return ComponentPlan(name, comp.kind, sharing, fmt, (0,), (f"{name}/{STATE_NAME}",))
+            files.append(f"{where}/{DCP_EXTRA_NAME}")
+    elif sharing == "per_rank":
+        writers, files = every_rank, [f"{name}/rank_<rank>.json"]
+    else:
+        writers, files = (0,), [f"{where}/{STATE_NAME}"]
+    return ComponentPlan(name, comp.kind, sharing, fmt, writers, tuple(files), comp.group,
+                         comp.validate_replicas, comp.on_world_size_change)
 
 
 def compile_plan(spec: RegistrySpec, world_size: int = 1, storage: str | None = None,

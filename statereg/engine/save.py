@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import statereg
-from statereg.backends.base import FileRecorder, StorageBackend, WrittenFile
+from statereg.backends.base import FileRecorder, StorageBackend, WrittenFile, new_hasher
 from statereg.backends.dcp_io import BackendWriter
 from statereg.engine.commit import (
     Committed,
@@ -25,7 +25,13 @@ from statereg.engine.commit import (
 from statereg.engine.jsonstate import encode_state
 from statereg.engine.plan import DCP_EXTRA_NAME, CheckpointPlan, ComponentPlan
 from statereg.engine.report import Progress, describe_rate
-from statereg.errors import CheckpointExistsError, CheckpointNotFoundError, SpecError
+from statereg.engine.world import World, attempt
+from statereg.errors import (
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    SpecError,
+)
 from statereg.schemas.manifest import FORMAT_VERSION, ComponentRecord, FileRecord, Manifest
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.factory import Adapter
@@ -37,10 +43,12 @@ logger = logging.getLogger("statereg")
 
 @dataclass
 class CapturedComponent:
-    """One component's state at save time: tensors for DCP, and small files as bytes."""
+    """One component's state at save time on this rank: tensors for DCP, small files as bytes."""
 
     plan: ComponentPlan
     tensors: dict[str, Any] | None = None
+    dcp_dir: str = ""
+    dcp_group: Any = None  # the process group of the DCP collective; None: this rank alone
     blobs: dict[str, bytes] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -49,27 +57,121 @@ class CapturedComponent:
         return sum(t.nbytes for t in (self.tensors or {}).values() if isinstance(t, torch.Tensor))
 
 
-def capture(plan: CheckpointPlan, adapters: dict[str, Adapter], rank: int = 0,
+def _dcp_group(cplan: ComponentPlan, world: World) -> Any:
+    if cplan.sharing == "per_group":
+        return world.groups[cplan.group]
+    return None if cplan.sharing == "global" else world.group
+
+
+def _writes(cplan: ComponentPlan, world: World) -> bool:
+    """Whether this rank takes part in writing the component."""
+    if cplan.sharing == "per_group" and cplan.format == "json":
+        return world.group_rank(cplan.group) == 0
+    return world.rank in cplan.writers
+
+
+def capture(plan: CheckpointPlan, adapters: dict[str, Adapter], world: World,
             ) -> list[CapturedComponent]:
-    """Read every attached component's state. Tensors are referenced, not copied."""
+    """Read the state this rank writes. Tensors are referenced, not copied."""
     captured = []
     for cplan in plan.components:
         adapter = adapters.get(cplan.name)
-        if adapter is None:
+        if adapter is None or not _writes(cplan, world):
             continue
-        item = CapturedComponent(cplan)
+        group_id = world.group_id(cplan.group) if cplan.sharing == "per_group" else None
+        directory = cplan.directory(group_id)
+        item = CapturedComponent(cplan, dcp_dir=directory, dcp_group=_dcp_group(cplan, world))
         where = f"component {cplan.name!r}"
         if isinstance(adapter, ModelAdapter):
             item.tensors, item.meta = adapter.capture()
         elif isinstance(adapter, OptimizerAdapter):
             item.tensors, extra = adapter.capture()
-            item.blobs[f"{cplan.directory}/{DCP_EXTRA_NAME}"] = encode_state(extra, where)
+            leader = world.rank == 0 if group_id is None else world.group_rank(cplan.group) == 0
+            if leader:
+                item.blobs[f"{directory}/{DCP_EXTRA_NAME}"] = encode_state(extra, where)
         elif cplan.format == "dcp":
             item.tensors = adapter.capture()
         else:
-            item.blobs[cplan.json_file(rank)] = encode_state(adapter.capture(), where)
+            item.blobs[cplan.json_file(world.rank, group_id)] = encode_state(
+                adapter.capture(), where)
         captured.append(item)
     return captured
+
+
+def state_digest(spec: RegistrySpec, captured: list[CapturedComponent]) -> tuple[str, dict]:
+    """A digest of what every rank must agree on: the declaration and the shared key sets."""
+    keys = {
+        c.plan.name: sorted(c.tensors)
+        for c in captured
+        if c.tensors is not None and c.plan.sharing in ("sharded", "replicated")
+    }
+    hasher = new_hasher()
+    hasher.update(json.dumps([redacted_spec(spec), keys], sort_keys=True).encode())
+    return hasher.hexdigest(), keys
+
+
+def check_consistency(world: World, spec: RegistrySpec, captured: list[CapturedComponent]) -> None:
+    """Every rank must save the same declaration and key sets; else name the rank and keys.
+
+    Mismatched key sets would make DCP's collectives wait forever.
+    """
+    digest, keys = state_digest(spec, captured)
+    digests = world.all_gather(digest)
+    if len(set(digests)) == 1:
+        return
+    all_keys = world.all_gather(keys)
+    problems = []
+    for rank, (other, theirs) in enumerate(zip(digests, all_keys, strict=True)):
+        if other == digests[0]:
+            continue
+        diffs = []
+        for comp in sorted(set(all_keys[0]) | set(theirs)):
+            mine, other_keys = set(all_keys[0].get(comp, [])), set(theirs.get(comp, []))
+            if mine != other_keys:
+                only = sorted(other_keys - mine)[:5]
+                missing = sorted(mine - other_keys)[:5]
+                diffs.append(f"{comp}: only on rank {rank}: {only}, missing on rank {rank}: "
+                             f"{missing}")
+        problems.append(f"rank {rank} differs from rank 0: "
+                        + ("; ".join(diffs) if diffs else "the declarations differ"))
+    raise SpecError(
+        "ranks disagree on what to save (" + " | ".join(problems) + "); every rank must build "
+        "the same model and declaration before calling save()"
+    )
+
+
+def check_replicas(world: World, captured: list[CapturedComponent]) -> None:
+    """For `replicated` components declared with validate: every rank's copy must be equal."""
+    hashes: dict[str, dict[str, str]] = {}
+    for item in captured:
+        if not item.plan.validate or item.tensors is None:
+            continue
+        for key, tensor in item.tensors.items():
+            if isinstance(tensor, torch.Tensor):
+                hasher = new_hasher()
+                hasher.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
+                hashes.setdefault(item.plan.name, {})[key] = hasher.hexdigest()
+    gathered = world.all_gather(hashes)
+    for comp, mine in gathered[0].items():
+        for key, digest in mine.items():
+            differ = [r for r, theirs in enumerate(gathered) if theirs[comp][key] != digest]
+            if differ:
+                raise CheckpointMismatchError(
+                    f"component {comp!r} is declared replicated, but tensor {key!r} differs "
+                    f"between rank 0 and rank(s) {differ}; nothing was saved. Synchronize the "
+                    "replicas (e.g. broadcast from rank 0) or declare the component sharded"
+                )
+
+
+def _like(original: torch.Tensor, local_copy: torch.Tensor) -> torch.Tensor:
+    """`local_copy` as the same kind of tensor as `original` (a DTensor keeps its layout)."""
+    if hasattr(original, "_local_tensor"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local_copy, original.device_mesh, original.placements,
+                                  run_check=False, shape=original.shape,
+                                  stride=original.stride())
+    return local_copy
 
 
 class StagingArea:
@@ -79,8 +181,10 @@ class StagingArea:
     so repeated async saves do not grow memory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: bool = False) -> None:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        # Page-locked memory only helps (and only exists) with CUDA.
+        self._pin = pinned and torch.cuda.is_available()
 
     @property
     def nbytes(self) -> int:
@@ -98,12 +202,16 @@ class StagingArea:
                     copies[key] = tensor
                     continue
                 slot = (item.plan.name, key)
+                local = getattr(tensor, "_local_tensor", tensor)
                 buf = self._buffers.get(slot)
-                if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-                    buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+                if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+                    buf = torch.empty(local.shape, dtype=local.dtype, device="cpu",
+                                      pin_memory=self._pin)
                     self._buffers[slot] = buf
-                buf.copy_(tensor.detach())
-                copies[key] = buf
+                buf.copy_(local.detach(), non_blocking=self._pin)
+                copies[key] = _like(tensor, buf)
+            if self._pin:
+                torch.cuda.synchronize()
             staged.append(replace(item, tensors=copies))
         return staged
 
@@ -148,13 +256,14 @@ def _prepare_directory(backend: StorageBackend, name: str) -> None:
 
 def write_components(backend: StorageBackend, name: str, captured: list[CapturedComponent],
                      io_threads: int, progress: Progress) -> list[WrittenFile]:
-    """Write every file of every component; returns them with paths relative to `name`."""
+    """Write this rank's files of every component; returns them relative to `name`."""
     recorder = FileRecorder()
     for item in captured:
         if item.tensors is not None:
-            writer = BackendWriter(backend, f"{name}/{item.plan.directory}", recorder,
+            writer = BackendWriter(backend, f"{name}/{item.dcp_dir}", recorder,
                                    thread_count=io_threads)
-            dcp.save(item.tensors, storage_writer=writer, no_dist=True)
+            dcp.save(item.tensors, storage_writer=writer, process_group=item.dcp_group,
+                     no_dist=item.dcp_group is None)
         for path, data in item.blobs.items():
             recorder.add(backend.write_bytes(f"{name}/{path}", data))
         progress.update(item.tensor_bytes + sum(len(b) for b in item.blobs.values()))
@@ -167,7 +276,7 @@ def build_manifest(spec: RegistrySpec, captured: list[CapturedComponent],
                    extra: dict[str, Any], world_size: int) -> Manifest:
     components = {}
     for item in captured:
-        prefix = f"{item.plan.directory}/"
+        prefix = f"{item.plan.name}/"
         mine = [f for f in files if f.path.startswith(prefix)]
         components[item.plan.name] = ComponentRecord(
             kind=item.plan.kind,
@@ -195,22 +304,41 @@ def build_manifest(spec: RegistrySpec, captured: list[CapturedComponent],
 
 def save_checkpoint(backend: StorageBackend, spec: RegistrySpec, captured: list[CapturedComponent],
                     step: int, tokens_seen: int | None, extra: dict[str, Any],
-                    world_size: int = 1) -> Committed:
-    """Write, commit and apply retention; returns the committed checkpoint."""
+                    world: World) -> Committed:
+    """Write, commit (rank 0, after every rank reported its files) and apply retention.
+
+    Any rank's failure is raised on every rank, and then nothing is committed.
+    """
     started = time.perf_counter()
     name = checkpoint_name(step)
-    _prepare_directory(backend, name)
+    error = None
+    if world.rank == 0:
+        _, error = attempt(_prepare_directory, backend, name)
+    world.agree(error, f"save of {name}")
     total = sum(c.tensor_bytes + sum(len(b) for b in c.blobs.values()) for c in captured)
     with Progress(total, f"save {name}") as progress:
-        files = write_components(backend, name, captured, spec.storage.io_threads, progress)
-    manifest = build_manifest(spec, captured, files, step, tokens_seen, extra, world_size)
-    commit(backend, name, manifest)
-    deleted = apply_retention(backend, spec.save)
+        files, error = attempt(write_components, backend, name, captured,
+                                spec.storage.io_threads, progress)
+    world.agree(error, f"writing {backend.display(name)}")
+    reports = world.all_gather(files)
+    committed: Committed | None = None
+    deleted: list[str] = []
+    if world.rank == 0:
+        every_file = sorted({f.path: f for rank in reports for f in rank}.values(),
+                            key=lambda f: f.path)
+        manifest = build_manifest(spec, captured, every_file, step, tokens_seen, extra,
+                                  world.size)
+        _, error = attempt(commit, backend, name, manifest)
+        committed = Committed(name, manifest)
+    world.agree(error, f"committing {backend.display(name)}")
+    committed = world.broadcast(committed)
+    if world.rank == 0:
+        deleted = apply_retention(backend, spec.save)
     elapsed = time.perf_counter() - started
     logger.info(
         "saved %s: %d components, %d files, %s%s",
-        backend.display(name), len(captured), len(files),
-        describe_rate(manifest.total_bytes, elapsed),
+        backend.display(name), len(committed.manifest.components), len(committed.manifest.files),
+        describe_rate(committed.manifest.total_bytes, elapsed),
         f"; retention removed {', '.join(deleted)}" if deleted else "",
     )
-    return Committed(name, manifest)
+    return committed

@@ -97,6 +97,18 @@ class ComponentSpec(_Declared):
     group: str | None = Field(
         default=None, description="For sharing: per_group, the name of the process group."
     )
+    validate_replicas: bool = Field(
+        default=False,
+        alias="validate",
+        description="For sharing: replicated, compare every rank's copy before saving; ranks "
+        "whose tensors differ fail the save, naming the tensor and the ranks.",
+    )
+    on_world_size_change: Literal["error", "reset", "reshard"] = Field(
+        default="error",
+        description="For sharing: per_rank, what load does when the world size changed: error "
+        "(default), reset (keep the fresh state), reshard (derive per-rank state; see "
+        "docs/distributed.md).",
+    )
 
     @model_validator(mode="after")
     def _fields_fit_kind(self) -> ComponentSpec:
@@ -110,6 +122,10 @@ class ComponentSpec(_Declared):
             raise ValueError(f"format 'json' cannot hold {self.kind} tensors; use 'dcp'")
         if self.resolved_sharing == "per_group" and not self.group:
             raise ValueError("sharing 'per_group' needs 'group': the name of the process group")
+        if self.validate_replicas and self.resolved_sharing != "replicated":
+            raise ValueError("'validate' applies to sharing 'replicated' only")
+        if self.on_world_size_change != "error" and self.resolved_sharing != "per_rank":
+            raise ValueError("'on_world_size_change' applies to sharing 'per_rank' only")
         return self
 
     @property
@@ -158,15 +174,22 @@ class KeepBestSpec(_Declared):
 class SaveSpec(_Declared):
     """How saves run and which checkpoints retention keeps."""
 
-    async_mode: Literal["off", "thread"] = Field(
+    async_mode: Literal["off", "thread", "pinned"] = Field(
         default="off",
         alias="async",
-        description="off: save() returns when committed; thread: save() returns once state is "
-        "copied to host memory and a background thread writes and commits it.",
+        description="off: save() returns when committed; thread: save() returns once tensors "
+        "are copied to reusable host buffers and a background thread writes and commits; "
+        "pinned: the same with page-locked buffers (faster GPU->host copies; CUDA only).",
     )
     keep_last: int | None = Field(
         default=None, ge=1, description="Keep the newest N checkpoints (default: keep all)."
     )
+
+    @field_validator("async_mode", mode="before")
+    @classmethod
+    def _yaml_off_is_false(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `off` as the boolean false.
+        return "off" if value is False else value
     keep_every: int | None = Field(
         default=None, ge=1, description="Also keep every checkpoint whose step is a multiple of N."
     )

@@ -27,6 +27,21 @@ class ObjectAdapter:
     def restore(self, state: Any) -> None:
         self.obj.load_state_dict(state)
 
+    def reshard(self, states: list[Any], rank: int, world_size: int) -> Any:
+        """This rank's state after a world-size change, from every saved rank's state.
+
+        Delegates to the object's `reshard_state_dict(states, rank, world_size)`, e.g. a
+        dataloader that splits one global sample cursor over the new ranks.
+        """
+        method = getattr(self.obj, "reshard_state_dict", None)
+        if method is None:
+            raise SpecError(
+                f"component {self.name!r} declares on_world_size_change: reshard, but "
+                f"{type(self.obj).__name__} has no reshard_state_dict(states, rank, world_size); "
+                "implement it, or declare reset"
+            )
+        return method(states, rank, world_size)
+
 
 class DataloaderAdapter(ObjectAdapter):
     """A dataloader (e.g. torchdata's StatefulDataLoader); refuses to rewind one mid-iteration."""

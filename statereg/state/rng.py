@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 
 class RNGAdapter:
@@ -31,5 +32,27 @@ class RNGAdapter:
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        if torch.cuda.is_available():
+            if "cuda" in state:
+                torch.cuda.set_rng_state_all(state["cuda"])
+            elif "cuda_seed" in state:
+                torch.cuda.manual_seed_all(state["cuda_seed"])
+
+    def reshard(self, states: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+        """Fresh per-rank streams after a world-size change, derived from the checkpoint.
+
+        The seed is a hash of saved rank 0's torch generator state and the new rank, so a
+        resumed job is reproducible (same checkpoint + same world size -> same streams) and
+        ranks differ; it cannot match a run that never changed its world size.
+        """
+        hasher = xxhash.xxh3_64()
+        hasher.update(states[0]["torch"].numpy().tobytes())
+        hasher.update(f"{rank}/{world_size}".encode())
+        seed = hasher.intdigest() & (2**63 - 1)
+        generator = torch.Generator().manual_seed(seed)
+        return {
+            "python": random.Random(seed).getstate(),
+            "numpy": np.random.RandomState(seed % 2**32).get_state(),
+            "torch": generator.get_state(),
+            "cuda_seed": seed,
+        }
