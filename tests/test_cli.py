@@ -87,7 +87,8 @@ def test_invalid_yaml_is_one_clear_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     yaml_file = tmp_path / "statereg.yaml"
-    yaml_file.write_text("storage: {url: ./c}\ncomponents: {model: {kind: model, sharing: shard}}\n")
+    yaml_file.write_text(
+        "storage: {url: ./c}\ncomponents: {model: {kind: model, sharing: shard}}\n")
     assert main(["plan", str(yaml_file)]) == 2
     err = capsys.readouterr().err
     assert str(yaml_file) in err

@@ -41,7 +41,7 @@ def _encode(value: Any, where: str) -> Any:
         return {"__bytes__": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, torch.Tensor):
         cpu = value.detach().cpu().contiguous()
-        raw = cpu.view(torch.uint8) if cpu.numel() else cpu
+        raw = cpu.reshape(-1).view(torch.uint8) if cpu.numel() else cpu
         data = raw.numpy().tobytes() if cpu.numel() else b""
         return {"__tensor__": {"dtype": _dtype_name(cpu.dtype), "shape": list(cpu.shape),
                                "data": base64.b64encode(data).decode()}}

@@ -27,6 +27,7 @@ from statereg.errors import CheckpointMismatchError, CorruptCheckpointError, Spe
 from statereg.schemas.manifest import ComponentRecord, FileRecord
 from statereg.state.factory import Adapter
 from statereg.state.model import ModelAdapter, TensorMeta
+from statereg.state.objects import ObjectAdapter
 from statereg.state.optimizer import OptimizerAdapter
 
 logger = logging.getLogger("statereg")
@@ -197,6 +198,8 @@ def _prepare(backend: StorageBackend, ckpt: str, cplan: ComponentPlan, record: C
         state = _read_json(backend, f"{ckpt}/{path}")
     if adapter is None:
         return (lambda: None), state
+    if isinstance(adapter, ObjectAdapter):
+        adapter.check_ready()
     return (lambda: adapter.restore(state)), None
 
 

@@ -31,8 +31,25 @@ def attempt(fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
 
 
 def _describe(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):  # DCP's CheckpointException: each rank's own error
+        return "; ".join(f"rank {r}: {_describe(pair[0])}" for r, pair in sorted(failures.items()))
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _raise_own(error: BaseException, what: str, rank: int) -> None:
+    """Raise this rank's error itself, also when DCP wrapped it in a CheckpointException.
+
+    CheckpointException derives from BaseException, which `except Exception` misses: when it
+    carries no error of this rank's own, it becomes a StateregError naming the failed ranks.
+    """
+    if isinstance(error, Exception):
+        raise error
+    own = getattr(error, "failures", {}).get(rank)
+    if own is not None and isinstance(own[0], Exception):
+        raise own[0] from error
+    raise StateregError(f"{what} failed: {_describe(error)}") from error
 
 
 @dataclass(frozen=True)
@@ -83,12 +100,12 @@ class World:
         """
         if not self.distributed:
             if error is not None:
-                raise error
+                _raise_own(error, what, self.rank)
             return
         reports = self.all_gather(None if error is None else _describe(error))
         failed = {r: msg for r, msg in enumerate(reports) if msg is not None}
         if error is not None:
-            raise error
+            _raise_own(error, what, self.rank)
         if failed:
             lines = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
             raise StateregError(f"{what} failed on {len(failed)} of {self.size} ranks ({lines})")

@@ -39,10 +39,11 @@ def to_stored_name(key: str, prefix: PrefixSpec | None) -> str:
     return f"{prefix.add}{key}" if prefix.add else key
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple:
-    local = getattr(tensor, "_local_tensor", tensor)
-    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
-            tuple(local.stride()), local.dtype)
+def _identities(module: nn.Module) -> dict[str, int]:
+    """State-dict key -> identity of the parameter or buffer behind it (tied keys share one)."""
+    found = {name: id(p) for name, p in module.named_parameters(remove_duplicate=False)}
+    found |= {name: id(b) for name, b in module.named_buffers(remove_duplicate=False)}
+    return found
 
 
 def mismatch_report(what: str, problems: dict[str, list[str]]) -> str:
@@ -59,7 +60,7 @@ def mismatch_report(what: str, problems: dict[str, list[str]]) -> str:
 class ModelAdapter:
     """Reads and writes a module's state dict under stored names.
 
-    Tied weights (two keys, one storage) are stored once under the first key; the others are
+    Tied weights (two keys, one parameter) are stored once under the first key; the others are
     recorded as aliases, and since loading writes into the live tensors the tie survives.
     """
 
@@ -85,19 +86,22 @@ class ModelAdapter:
     def _live_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
-        first_by_storage: dict[tuple, str] = {}
-        for key, tensor in self.live_module.state_dict().items():
+        first_by_identity: dict[int, str] = {}
+        module = self.live_module
+        identities = _identities(module)
+        for key, tensor in module.state_dict().items():
             stored = self.stored_name(key)
             if stored in tensors or stored in aliases:
                 raise SpecError(
                     f"component {self.name!r}: prefix rules map two keys to {stored!r}; "
                     "adjust prefix.drop / prefix.add"
                 )
-            storage = _storage_key(tensor)
-            if storage in first_by_storage:
-                aliases[stored] = first_by_storage[storage]
+            # By parameter identity, not storage pointer: shards can be empty on some ranks.
+            identity = identities.get(key, id(tensor))
+            if identity in first_by_identity:
+                aliases[stored] = first_by_identity[identity]
                 continue
-            first_by_storage[storage] = stored
+            first_by_identity[identity] = stored
             tensors[stored] = tensor
         return tensors, aliases
 

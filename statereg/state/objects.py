@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from statereg.errors import LoadOrderError, SpecError
 
 
@@ -23,6 +25,9 @@ class ObjectAdapter:
 
     def capture(self) -> Any:
         return self.obj.state_dict()
+
+    def check_ready(self) -> None:
+        """Raise if saved state can no longer be applied correctly (checked before loading)."""
 
     def restore(self, state: Any) -> None:
         self.obj.load_state_dict(state)
@@ -46,13 +51,23 @@ class ObjectAdapter:
 class DataloaderAdapter(ObjectAdapter):
     """A dataloader (e.g. torchdata's StatefulDataLoader); refuses to rewind one mid-iteration."""
 
-    def restore(self, state: Any) -> None:
-        # StatefulDataLoader keeps its live iterator here; loading state into a loader that is
-        # already being iterated would silently restart or skip data.
-        if getattr(self.obj, "_iterator", None) is not None:
+    def check_ready(self) -> None:
+        # StatefulDataLoader keeps its live iterator in `_iterator`; its own state_dict()
+        # creates one without iterating and flags it `_initial_iter_for_state_dict`.
+        iterating = getattr(self.obj, "_iterator", None) is not None
+        if iterating and not getattr(self.obj, "_initial_iter_for_state_dict", False):
             raise LoadOrderError(
                 f"component {self.name!r}: the dataloader was already iterated before its saved "
                 "state was applied, so resuming would not continue the data where it stopped; "
                 "call mgr.load() (or mgr.attach()) before the first iter(loader)"
             )
+
+    def restore(self, state: Any) -> None:
+        self.check_ready()
         super().restore(state)
+        if callable(getattr(self.obj, "_get_iterator", None)):
+            # StatefulDataLoader builds its next iterator now, drawing a base seed from the
+            # global torch generator; the uninterrupted run drew it before the checkpoint, so
+            # it must not shift the restored stream (dropout after resume would differ).
+            with torch.random.fork_rng(devices=[]):
+                self.obj.state_dict()

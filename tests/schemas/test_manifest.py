@@ -1,0 +1,204 @@
+"""parse_manifest: a manifest.json is trusted only if every field and every path checks out."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+import statereg
+from statereg.schemas import FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
+from statereg.schemas.manifest import MAX_MANIFEST_BYTES
+
+SOURCE = "memory://run/step_00000010/manifest.json"
+CHECKSUM = "xxh3_64:0123456789abcdef"
+
+
+def valid_manifest_data() -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "statereg_version": "0.1.0",
+        "torch_version": "2.13.0",
+        "created_at": "2025-01-01T00:00:00+00:00",
+        "step": 10,
+        "tokens_seen": 40960,
+        "extra": {"loss": 2.5, "note": "warmup done"},
+        "world_size": 1,
+        "spec": {"storage": {"url": "memory://run", "options": {}}},
+        "components": {
+            "model": {
+                "kind": "model",
+                "sharing": "sharded",
+                "format": "dcp",
+                "files": ["model/.metadata", "model/__0_0.distcp"],
+                "tensors": 2,
+                "bytes": 300,
+                "meta": {"aliases": {"head.weight": "emb.weight"}},
+            },
+            "rng": {
+                "kind": "rng",
+                "sharing": "per_rank",
+                "format": "json",
+                "files": ["rng/rank_00000.json"],
+            },
+        },
+        "files": [
+            {"path": "model/.metadata", "size": 100, "checksum": CHECKSUM},
+            {"path": "model/__0_0.distcp", "size": 200, "checksum": CHECKSUM},
+            {"path": "rng/rank_00000.json", "size": 50, "checksum": CHECKSUM},
+        ],
+    }
+
+
+def encoded(data: dict) -> bytes:
+    return json.dumps(data).encode()
+
+
+def manifest_error(data: bytes) -> str:
+    with pytest.raises(statereg.ManifestError) as info:
+        parse_manifest(data, SOURCE)
+    message = str(info.value)
+    assert message.startswith(f"{SOURCE}: ")
+    return message
+
+
+def with_file_path(path: str) -> bytes:
+    data = valid_manifest_data()
+    data["files"][0]["path"] = path
+    data["components"]["model"]["files"][0] = path
+    return encoded(data)
+
+
+def test_manifest_name_is_manifest_json():
+    assert MANIFEST_NAME == "manifest.json"
+
+
+def test_valid_manifest_round_trips_through_to_json():
+    manifest = Manifest.model_validate(valid_manifest_data())
+    parsed = parse_manifest(manifest.to_json(), SOURCE)
+
+    assert parsed == manifest
+    assert parsed.step == 10
+    assert parsed.tokens_seen == 40960
+    assert parsed.extra == {"loss": 2.5, "note": "warmup done"}
+    assert parsed.components["model"].meta == {"aliases": {"head.weight": "emb.weight"}}
+    assert parsed.total_bytes == 350
+
+
+def test_to_json_is_deterministic():
+    data = valid_manifest_data()
+    reordered = dict(reversed(list(data.items())))
+    first = Manifest.model_validate(data).to_json()
+
+    assert first == Manifest.model_validate(reordered).to_json()
+    assert json.loads(first) == json.loads(parse_manifest(first, SOURCE).to_json())
+
+
+def test_an_older_minor_version_of_the_same_major_is_read():
+    data = valid_manifest_data()
+    data["format_version"] = "1.7"
+    assert parse_manifest(encoded(data), SOURCE).format_version == "1.7"
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["../outside.bin", "model/../../etc/passwd", "model/..", "./model/x", "model//x"],
+)
+def test_paths_that_can_leave_the_checkpoint_are_rejected(path):
+    message = manifest_error(with_file_path(path))
+
+    assert "files.0.path" in message
+    assert repr(path) in message
+    assert "'..'" in message
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "\\\\server\\share\\x", "C:\\x\\y"])
+def test_absolute_paths_are_rejected(path):
+    message = manifest_error(with_file_path(path))
+
+    assert "files.0.path" in message
+    assert "must be relative to the checkpoint directory" in message
+
+
+@pytest.mark.parametrize(
+    "path", ["s3://bucket/key", "file:///etc/passwd", "http://example.com/x", "memory://x"]
+)
+def test_urls_are_rejected(path):
+    message = manifest_error(with_file_path(path))
+
+    assert "files.0.path" in message
+    assert "must be relative to the checkpoint directory" in message
+
+
+def test_a_manifest_over_the_size_bound_is_rejected_before_parsing():
+    oversized = b" " * (MAX_MANIFEST_BYTES + 1)
+    message = manifest_error(oversized)
+
+    assert str(MAX_MANIFEST_BYTES + 1) in message
+    assert "over the" in message
+    assert "not written by statereg" in message
+
+
+FIELD_DEFECTS = [
+    (lambda d: d.update(step="ten"), "step"),
+    (lambda d: d.update(step=-1), "step"),
+    (lambda d: d.update(world_size=0), "world_size"),
+    (lambda d: d.update(files="model/.metadata"), "files"),
+    (lambda d: d["files"][1].update(size="large"), "files.1.size"),
+    (lambda d: d["files"][2].update(checksum="md5:abc"), "files.2.checksum"),
+    (lambda d: d["components"]["model"].update(kind="module"), "components.model.kind"),
+    (lambda d: d["components"]["rng"].update(files="rng/rank_00000.json"),
+     "components.rng.files"),
+    (lambda d: d.update(extra=[1, 2]), "extra"),
+    (lambda d: d.pop("torch_version"), "torch_version"),
+    (lambda d: d.update(unexpected=True), "unexpected"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "field"), FIELD_DEFECTS, ids=[f for _, f in FIELD_DEFECTS])
+def test_wrong_type_or_missing_fields_name_the_field(mutate, field):
+    data = copy.deepcopy(valid_manifest_data())
+    mutate(data)
+    message = manifest_error(encoded(data))
+
+    assert f"invalid manifest field {field}:" in message
+
+
+def test_a_newer_major_format_version_says_upgrade():
+    data = valid_manifest_data()
+    data["format_version"] = "2.0"
+    message = manifest_error(encoded(data))
+
+    assert "format_version" in message
+    assert "2.0" in message
+    assert "newer statereg" in message
+    assert "upgrade statereg" in message
+
+
+def test_a_malformed_format_version_is_rejected():
+    data = valid_manifest_data()
+    data["format_version"] = "one"
+    assert "is not MAJOR.MINOR" in manifest_error(encoded(data))
+
+
+def test_a_component_naming_a_file_not_in_files_is_rejected():
+    data = valid_manifest_data()
+    data["components"]["rng"]["files"].append("rng/rank_00001.json")
+    message = manifest_error(encoded(data))
+
+    assert "component 'rng'" in message
+    assert "'rng/rank_00001.json'" in message
+    assert "not in 'files'" in message
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe\x00", "not valid JSON"),
+        (b"[1, 2, 3]", "must be a JSON object"),
+    ],
+)
+def test_bytes_that_are_not_a_json_object_are_rejected(data, expected):
+    assert expected in manifest_error(data)
