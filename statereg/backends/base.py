@@ -21,6 +21,33 @@ import xxhash
 from statereg.errors import StorageError
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# Operations where "not found" is an answer, not a failure.
+_LOOKUPS = frozenset({"read", "open", "check", "stat", "list"})
+# Option values shown in messages, since they help to debug and are not credentials.
+_SHOWN_OPTIONS = frozenset({"endpoint_url", "region_name", "project"})
+
+
+def _secret_values(options: Any, key: str = "") -> set[str]:
+    """String option values that may be credentials (shorter than 8 characters: not secret)."""
+    if isinstance(options, dict):
+        return {v for k, item in options.items() for v in _secret_values(item, str(k))}
+    if isinstance(options, list):
+        return {v for item in options for v in _secret_values(item, key)}
+    if isinstance(options, str) and key not in _SHOWN_OPTIONS and len(options) >= 8:
+        return {options}
+    return set()
+
+
+def _mentions(error: BaseException, secrets: set[str]) -> bool:
+    """Whether `error` or any exception chained to it repeats one of `secrets`."""
+    seen: list[BaseException] = []
+    link: BaseException | None = error
+    while link is not None and link not in seen:
+        seen.append(link)
+        if any(secret in str(link) for secret in secrets):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
 
 
 def expand_env(options: dict[str, Any]) -> dict[str, Any]:
@@ -137,10 +164,15 @@ class StorageBackend:
     """
 
     schemes: ClassVar[tuple[str, ...]] = ()
+    # Options a backend adds under the user's (e.g. no listing cache on shared stores).
+    default_options: ClassVar[dict[str, Any]] = {}
+    # Keyword arguments for each `pipe_file` (e.g. the multipart part size).
+    upload_options: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/") or url
-        self._options = expand_env(dict(options or {}))
+        self._options = expand_env({**self.default_options, **(options or {})})
+        self._secrets = _secret_values(self._options)
         self.fs, self.root = self._open_filesystem(self.url, self._options)
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
@@ -158,20 +190,44 @@ class StorageBackend:
         """A URL for messages: the root URL and the relative path, never the options."""
         return f"{self.url}/{path}" if path else self.url
 
+    def _missing_bucket(self, operation: str, path: str) -> StorageError:
+        bucket = self.root.split("/", 1)[0]
+        return StorageError(
+            f"{operation} failed for {self.display(path)}: bucket {bucket!r} does not exist. "
+            "Create it, or fix the bucket name in storage.url"
+        )
+
     @contextmanager
     def _storage_op(self, operation: str, path: str) -> Iterator[None]:
+        """Report any failure as one StorageError naming the URL and the operation.
+
+        "Not found" passes through for look-ups (callers answer it); for a write it means the
+        bucket is missing. No message keeps a value from storage.options: client libraries
+        may repeat credentials (gcsfs puts a raw token in a request URL), and then the chained
+        error is withheld too.
+        """
         try:
             yield
-        except StorageError:
-            raise
-        except FileNotFoundError:
-            raise
+            return
+        except FileNotFoundError as exc:
+            if operation in _LOOKUPS:
+                raise
+            error, cause = self._missing_bucket(operation, path), exc
+        except StorageError as exc:
+            error, cause = exc, exc.__cause__
         except Exception as exc:  # the client libraries raise many types; report them as one
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise StorageError(
+            error, cause = StorageError(
                 f"{operation} failed for {self.display(path)}: {detail}. Check that the storage "
                 "is reachable and the credentials in storage.options allow it"
-            ) from exc
+            ), exc
+        if self._secrets and _mentions(error, self._secrets):
+            message = str(error)
+            for secret in self._secrets:
+                message = message.replace(secret, "<redacted>")
+            raise StorageError(f"{message} (the client library's error is withheld: it "
+                               "repeated a value from storage.options)") from None
+        raise error from cause
 
     # -- writing ------------------------------------------------------------------------
 
@@ -181,8 +237,12 @@ class StorageBackend:
         full = self.full_path(path)
 
         def put(buffer: IO[bytes]) -> None:
+            # getvalue() hands over BytesIO's bytes without a copy (botocore refuses the
+            # memoryview of getbuffer()). pipe_file returns once the PUT, or the multipart
+            # upload's completion, is acknowledged: then the file is stored.
             with self._storage_op("write", path):
-                self.fs.pipe_file(full, buffer.getbuffer())  # type: ignore[attr-defined]
+                self.fs.pipe_file(full, buffer.getvalue(),  # type: ignore[attr-defined]
+                                  **self.upload_options)
 
         return HashingWriter(path, io.BytesIO(), put, on_done)
 

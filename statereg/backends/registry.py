@@ -11,8 +11,10 @@ from typing import Any
 import fsspec
 
 from statereg.backends.base import StorageBackend
+from statereg.backends.gcs import GCSBackend
 from statereg.backends.local import LocalBackend
 from statereg.backends.memory import MemoryBackend
+from statereg.backends.s3 import S3Backend
 from statereg.errors import SpecError
 
 ENTRY_POINT_GROUP = "statereg.backends"
@@ -27,7 +29,7 @@ def register_backend(backend: type[StorageBackend]) -> type[StorageBackend]:
     return backend
 
 
-for _builtin in (LocalBackend, MemoryBackend):
+for _builtin in (LocalBackend, MemoryBackend, S3Backend, GCSBackend):
     register_backend(_builtin)
 _entry_points_loaded = False
 

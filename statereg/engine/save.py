@@ -218,9 +218,10 @@ class StagingArea:
 
 def redacted_spec(spec: RegistrySpec) -> dict[str, Any]:
     """The declaration as JSON data, with every storage option value hidden."""
-    data = spec.model_dump(mode="json", by_alias=True)
-    data["storage"]["options"] = {k: "<redacted>" for k in data["storage"]["options"]}
-    return data
+    options = {k: "<redacted>" for k in spec.storage.options}
+    storage = spec.storage.model_copy(update={"options": options})
+    blank = spec.model_copy(update={"storage": storage})
+    return blank.model_dump(mode="json", by_alias=True)
 
 
 def check_extra(extra: dict[str, Any] | None) -> dict[str, Any]:

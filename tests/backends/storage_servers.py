@@ -1,0 +1,200 @@
+"""Storage servers as child processes, their client options, and a relay that fakes outages.
+
+Plain helpers (no fixtures) shared by conftest.py and the tests of this directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+S3_KEY = "statereg-test-key"  # moto accepts any key pair; requests are signed, as on S3
+S3_SECRET = "statereg-test-secret"
+GCS_PROJECT = "statereg-test"
+SERVER_START_TIMEOUT = 60.0
+
+# Client-side retry settings for tests that break the connection on purpose: botocore gives
+# up after one attempt, so a dead endpoint fails in well under a second instead of ~24 s.
+S3_FAIL_FAST = {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 2,
+                "read_timeout": 10}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerExited(RuntimeError):
+    """The server process ended before it answered (e.g. its port was taken meanwhile)."""
+
+
+@dataclass
+class ServerProcess:
+    """A storage server running as a child process of the test session."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, probe: str) -> None:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerExited(f"{self.name} exited at start:\n{self.log.read_text()}")
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}{probe}", timeout=1):
+                    return
+            except urllib.error.HTTPError:
+                return  # it answers HTTP, so it is up
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.name} not healthy after {SERVER_START_TIMEOUT}s:\n"
+                           f"{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_server(name: str, args: list[str], log_dir: Path, probe: str) -> ServerProcess:
+    """Start `python ARGS` ({port} filled in) and wait until it answers HTTP at `probe`.
+
+    A free port can be taken by another process before the server binds it; then the server
+    exits at once and is started again on another port.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    for attempt in range(3):
+        port = free_port()
+        log = log_dir / f"{name}-{attempt}.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, *[a.replace("{port}", str(port)) for a in args]],
+                stdout=out, stderr=subprocess.STDOUT, env=env,
+            )
+        server = ServerProcess(name, process, port, log)
+        try:
+            server.wait_healthy(probe)
+        except ServerExited:
+            continue
+        return server
+    raise RuntimeError(f"{name} exited at start three times:\n{log.read_text()}")
+
+
+def s3_options(endpoint: str, **extra: Any) -> dict[str, Any]:
+    return {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": endpoint},
+            **extra}
+
+
+def gcs_options(endpoint: str, **extra: Any) -> dict[str, Any]:
+    return {"token": "anon", "endpoint_url": endpoint, "project": GCS_PROJECT, **extra}
+
+
+def new_bucket(fs: Any) -> str:
+    bucket = f"statereg-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    return bucket
+
+
+class OutageProxy:
+    """A TCP relay in front of a server that can go down and come back on the same port.
+
+    Going down closes the listening socket and every open connection, so clients see what
+    they see when a server dies (refused connects, resets); the server behind it keeps its
+    objects, so "the server came back" finds them again.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.port = free_port()
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self._accepting = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.up()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        listener.settimeout(0.05)
+        self._listener = listener
+        self._accepting.set()
+        self._thread = threading.Thread(target=self._accept, args=(listener,), daemon=True)
+        self._thread.start()
+
+    def down(self) -> None:
+        self._accepting.clear()
+        if self._thread is not None:
+            self._thread.join()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            connections, self._connections = self._connections, set()
+        for sock in connections:
+            _close(sock)
+
+    def _accept(self, listener: socket.socket) -> None:
+        while self._accepting.is_set():
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                _close(client)
+                continue
+            with self._lock:
+                self._connections |= {client, upstream}
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                _close(sock)
+                with self._lock:
+                    self._connections.discard(sock)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()

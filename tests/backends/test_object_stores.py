@@ -1,0 +1,160 @@
+"""What statereg/backends/s3.py and gcs.py add to the generic backend, on the real servers."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import gcsfs.core
+import pytest
+import requests
+import torch
+from torch import nn
+
+import statereg
+from statereg.backends.gcs import GCSBackend
+from statereg.backends.registry import backend_class, open_backend
+from statereg.backends.s3 import S3Backend
+
+PACKAGE = {"s3": "s3fs", "gcs": "gcsfs"}
+BACKEND = {"s3": S3Backend, "gcs": GCSBackend}
+
+
+def model_only(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    return {"storage": {"url": url, "options": options},
+            "components": {"model": {"kind": "model"}}}
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("s3://bkt/run", S3Backend), ("s3a://bkt/run", S3Backend),
+    ("gs://bkt/run", GCSBackend), ("gcs://bkt/run", GCSBackend),
+])
+def test_each_scheme_has_its_backend(url, expected):
+    assert backend_class(url) is expected
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_without_the_client_package_the_url_says_what_to_install(kind, monkeypatch):
+    monkeypatch.setitem(sys.modules, PACKAGE[kind], None)  # import fails as if not installed
+    url = f"{'s3' if kind == 's3' else 'gs'}://bkt/run"
+    with pytest.raises(statereg.SpecError, match=rf"pip install 'statereg\[{kind}\]'"):
+        statereg.CheckpointManager(model_only(url, {}), model=nn.Linear(2, 2))
+
+
+def test_the_client_packages_are_imported_only_when_their_scheme_is_used():
+    code = ("import sys, statereg.backends as b; b.open_backend('memory://x'); "
+            "assert not {'s3fs', 'gcsfs'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_missing_bucket_is_an_error_not_an_empty_run(remote_store):
+    scheme = remote_store.url.split("://")[0]
+    url = f"{scheme}://statereg-missing-{uuid.uuid4().hex[:8]}/run"
+    mgr = statereg.CheckpointManager(model_only(url, remote_store.options),
+                                     model=nn.Linear(2, 2))
+
+    with pytest.raises(statereg.StorageError, match=r"bucket .* does not exist") as loading:
+        mgr.load()  # a resume must not silently start from scratch
+    with pytest.raises(statereg.StorageError, match=r"bucket .* does not exist"):
+        mgr.save(step=1)
+    assert str(loading.value).startswith(f"list failed for {url}")
+
+
+def test_a_file_larger_than_a_part_is_uploaded_in_parts_and_reads_back_whole(
+        remote_store, monkeypatch):
+    uploads: list[int] = []
+    if remote_store.kind == "s3":
+        monkeypatch.setattr(S3Backend, "upload_options", {"chunksize": 5 * 2**20})  # S3's least
+    else:
+        monkeypatch.setattr(GCSBackend, "upload_options", {"chunksize": 2**20})  # n x 256 KiB
+        upload_chunk = gcsfs.core.upload_chunk
+
+        async def counted(fs: Any, location: str, data: Any, *args: Any) -> Any:
+            uploads.append(len(data))
+            return await upload_chunk(fs, location, data, *args)
+
+        monkeypatch.setattr(gcsfs.core, "upload_chunk", counted)
+
+    torch.manual_seed(0)
+    model = nn.Linear(1024, 3072)  # a 12 MiB weight
+    url = statereg.CheckpointManager(model_only(remote_store.url, remote_store.options),
+                                     model=model).save(step=1)
+    manifest = statereg.verify(url, remote_store.options)
+    largest = max(manifest.files, key=lambda f: f.size)
+    assert largest.size > 12 * 2**20
+
+    if remote_store.kind == "s3":
+        etag = remote_store.fs.info(remote_store.path(f"step_00000001/{largest.path}"))["ETag"]
+        assert etag.strip('"').endswith("-3")  # the server assembled three parts
+    else:
+        assert len(uploads) == 13 and sum(uploads) == largest.size
+
+    restored = nn.Linear(1024, 3072)
+    statereg.CheckpointManager(model_only(remote_store.url, remote_store.options),
+                               model=restored).load()
+    assert torch.equal(restored.weight, model.weight) and torch.equal(restored.bias, model.bias)
+
+
+def test_prefixes_exist_like_directories_and_remove_tree_stays_inside_one(remote_store):
+    backend = open_backend(remote_store.url, remote_store.options)
+    for path in ("a/b/x", "a/b/deep/y", "a/bc/z", "a/b2"):
+        backend.write_bytes(path, b"data")
+
+    assert backend.exists("a/b") and backend.exists("a/b/x")
+    assert not backend.exists("a/nothing")
+    assert backend.list_dir("a") == ["b", "b2", "bc"]
+    assert backend.list_dir("a/nothing") == []
+
+    backend.remove_tree("a/b")
+    backend.remove_tree("a/nothing")  # a missing prefix is not an error
+    assert remote_store.files() == ["a/b2", "a/bc/z"]
+
+
+def test_a_gcs_token_repeated_by_the_client_library_is_withheld(gcs_store, monkeypatch):
+    token = f"ya29.do-not-leak-{uuid.uuid4().hex}"
+
+    def unreachable(url: str, params: dict[str, str], **kwargs: Any) -> Any:
+        # What requests says when oauth2.googleapis.com cannot be reached, verbatim in form.
+        raise requests.ConnectionError(
+            f"HTTPSConnectionPool(host='oauth2.googleapis.com', port=443): Max retries "
+            f"exceeded with url: /tokeninfo?access_token={params['access_token']}"
+        )
+
+    monkeypatch.setattr(requests, "get", unreachable)
+    options = {**gcs_store.options, "token": token, "skip_instance_cache": True}
+    with pytest.raises(statereg.StorageError) as opening:
+        open_backend(gcs_store.url, options)
+
+    message = str(opening.value)
+    assert message.startswith(f"open filesystem failed for {gcs_store.url}")
+    assert token not in message and "<redacted>" in message
+    assert opening.value.__cause__ is None and opening.value.__suppress_context__
+
+
+def test_an_emulator_behind_gcsfs_experimental_class_gets_a_warning(gcs_store, monkeypatch,
+                                                                    caplog):
+    # What a user gets without GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: each operation first
+    # waits 15-90 s for a gRPC bucket-type lookup that an emulator never answers.
+    from gcsfs.extended_gcsfs import ExtendedGcsFileSystem
+
+    registry = importlib.import_module("fsspec.registry")  # `fsspec.registry` is a mapping
+    monkeypatch.setitem(registry._registry, "gs", ExtendedGcsFileSystem)
+    open_backend(gcs_store.url, {**gcs_store.options, "skip_instance_cache": True})
+    assert "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false" in caplog.text
+
+
+def test_exists_and_size_see_what_another_process_wrote_after_a_listing(remote_store):
+    # Two filesystem instances, as two processes would have (fsspec caches instances).
+    this = open_backend(remote_store.url, {**remote_store.options, "skip_instance_cache": True})
+    other = open_backend(remote_store.url, {**remote_store.options, "skip_instance_cache": True})
+    this.write_bytes("step_00000001/manifest.json", b"{}")
+    assert this.list_dir("step_00000001") == ["manifest.json"]
+
+    other.write_bytes("step_00000001/model/__0_0.distcp", b"tensor bytes")
+
+    assert this.exists("step_00000001/model/__0_0.distcp")
+    assert this.size("step_00000001/model/__0_0.distcp") == len(b"tensor bytes")
+    assert this.list_dir("step_00000001") == ["manifest.json", "model"]
