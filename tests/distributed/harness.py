@@ -1,0 +1,36 @@
+"""Run a function on N real processes joined in a gloo process group (CPU)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable[..., None], world_size: int, init_file: str,
+           args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+    fn(rank, world_size, *args)
+    # Leave together: a rank that exits first closes its gloo connections under a peer that
+    # is still running, which can abort the peer ("terminate called without an active
+    # exception"). A failed rank raises above and the spawner stops the others.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable[..., None], tmp: Path, *args: Any) -> None:
+    """Run fn(rank, world_size, *args) on every rank; a rank's exception fails the call.
+
+    fn must be a module-level function (it is pickled by reference into the children).
+    """
+    init_file = tmp / f"pg-init-{os.getpid()}-{world_size}-{len(list(tmp.iterdir()))}"
+    mp.start_processes(_entry, args=(fn, world_size, str(init_file), args), nprocs=world_size,
+                       join=True, start_method="spawn")
