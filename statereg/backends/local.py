@@ -67,7 +67,9 @@ class LocalBackend(StorageBackend):
     @contextmanager
     def open_read(self, path: str) -> Iterator[IO[bytes]]:
         with self._storage_op("open", path):
-            stream = open(self.full_path(path), "rb", buffering=_BUFFER)  # noqa: SIM115
+            # Default buffering: DCP reads whole tensors with readinto, which a large buffer
+            # would copy through (measured: half the warm-cache read rate with 8 MiB).
+            stream = open(self.full_path(path), "rb")  # noqa: SIM115
         with stream:
             yield stream
 
