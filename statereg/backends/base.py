@@ -6,6 +6,7 @@ registered in `statereg.backends.registry`.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import re
@@ -18,7 +19,7 @@ from typing import IO, Any, ClassVar
 import fsspec
 import xxhash
 
-from statereg.errors import StorageError
+from statereg.errors import SpecError, StorageError
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # Operations where "not found" is an answer, not a failure.
@@ -168,6 +169,9 @@ class StorageBackend:
     default_options: ClassVar[dict[str, Any]] = {}
     # Keyword arguments for each `pipe_file` (e.g. the multipart part size).
     upload_options: ClassVar[dict[str, Any]] = {}
+    # The fsspec implementation's package and the statereg extra that installs it.
+    client_package: ClassVar[str | None] = None
+    install_extra: ClassVar[str] = ""
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/") or url
@@ -176,6 +180,11 @@ class StorageBackend:
         self.fs, self.root = self._open_filesystem(self.url, self._options)
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
+        if self.client_package and importlib.util.find_spec(self.client_package) is None:
+            raise SpecError(
+                f"storage url {url!r} needs the {self.client_package} package, which is not "
+                f"installed; run: pip install 'statereg[{self.install_extra}]'"
+            )
         with self._storage_op("open filesystem", ""):
             fs, root = fsspec.core.url_to_fs(url, **options)
         return fs, root.rstrip("/")
@@ -283,9 +292,18 @@ class StorageBackend:
             try:
                 self.fs.invalidate_cache(full)
                 entries = self.fs.ls(full, detail=False)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                # An empty prefix and a missing bucket both arrive as FileNotFoundError; only
+                # the first means "no checkpoints yet". A mistyped bucket must not silently
+                # start a run from scratch.
+                if self._bucket_missing(exc):
+                    raise self._missing_bucket("list", path) from exc
                 return []
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    def _bucket_missing(self, not_found: FileNotFoundError) -> bool:
+        """Whether a listing's FileNotFoundError means the bucket itself is missing."""
+        return False
 
     # -- deleting -----------------------------------------------------------------------
 

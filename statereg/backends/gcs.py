@@ -5,13 +5,11 @@ gcsfs is imported only when a gs:// root is opened, so statereg works without it
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from typing import Any
 
 from statereg.backends.base import StorageBackend
-from statereg.errors import SpecError
 
 logger = logging.getLogger("statereg")
 
@@ -20,6 +18,8 @@ class GCSBackend(StorageBackend):
     """Checkpoints under a GCS prefix; each file is one upload, resumable in chunks if large."""
 
     schemes = ("gs", "gcs")
+    client_package = "gcsfs"
+    install_extra = "gcs"
 
     # Listings are read fresh every time: another process (a second rank, an evaluator,
     # retention run elsewhere) may have changed the prefix since this one last looked.
@@ -29,33 +29,19 @@ class GCSBackend(StorageBackend):
     upload_options = {"chunksize": 50 * 2**20}
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
-        if importlib.util.find_spec("gcsfs") is None:
-            raise SpecError(
-                f"storage url {url!r} needs the gcsfs package, which is not installed; "
-                "run: pip install 'statereg[gcs]'"
-            )
         fs, root = super()._open_filesystem(url, options)
         _warn_if_probing_emulator(fs, options)
         return fs, root
 
-    def list_dir(self, path: str = "") -> list[str]:
-        full = self.full_path(path)
-        with self._storage_op("list", path):
-            try:
-                self.fs.invalidate_cache(full)
-                entries = self.fs.ls(full, detail=False)
-            except FileNotFoundError:
-                # An empty prefix and a missing bucket both arrive as FileNotFoundError; only
-                # the first means "no checkpoints yet". A mistyped bucket must not silently
-                # start a run from scratch. Listing one object needs no more permission than
-                # the listing itself (a bucket GET would need storage.buckets.get).
-                bucket = self.root.split("/", 1)[0]
-                try:
-                    self.fs.call("GET", "b/{}/o", bucket, maxResults=1)  # type: ignore[attr-defined]
-                except FileNotFoundError as exc:
-                    raise self._missing_bucket("list", path) from exc
-                return []
-        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+    def _bucket_missing(self, not_found: FileNotFoundError) -> bool:
+        # Listing one object needs no more permission than the listing itself (a bucket GET
+        # would need storage.buckets.get).
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self.fs.call("GET", "b/{}/o", bucket, maxResults=1)  # type: ignore[attr-defined]
+        except FileNotFoundError:
+            return True
+        return False
 
 
 def _warn_if_probing_emulator(fs: Any, options: dict[str, Any]) -> None:
