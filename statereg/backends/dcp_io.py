@@ -196,12 +196,14 @@ class BackendReader(FileSystemReader):
         self.fs = BackendFileSystem(backend)
         self.path = path
         self._backend = backend
+        self._metadata_bytes: bytes | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # Read once: statereg checks keys against it before dcp.load reads it again.
         meta_path = self.fs.concat_path(self.path, METADATA_NAME)
-        metadata = load_dcp_metadata(
-            self._backend.read_bytes(meta_path), self._backend.display(meta_path)
-        )
+        if self._metadata_bytes is None:
+            self._metadata_bytes = self._backend.read_bytes(meta_path)
+        metadata = load_dcp_metadata(self._metadata_bytes, self._backend.display(meta_path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -130,6 +130,8 @@ def apply_retention(backend: StorageBackend, save: SaveSpec) -> list[str]:
     The manifest goes first, so an interrupted delete leaves an uncommitted directory (which
     is ignored), never a manifest that points at missing files.
     """
+    if save.keep_last is None:  # nothing to delete: spare reading every manifest
+        return []
     committed = list_committed(backend)
     keep = kept_names(committed, save, read_latest(backend))
     deleted = []
