@@ -32,12 +32,36 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _model_bytes(factory: str, spec: Any) -> dict[str, int]:
+    """Tensor bytes of the model built by `module:callable`, on the meta device (no memory)."""
+    import importlib
+
+    import torch
+
+    from statereg.state.model import ModelAdapter
+
+    module_name, _, attr = factory.partition(":")
+    try:
+        build = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise SpecError(f"--model {factory!r}: cannot import it ({exc}); use module:callable"
+                        ) from None
+    models = [n for n, c in spec.components.items() if c.kind == "model"]
+    if not models:
+        raise SpecError("--model: the declaration has no model component")
+    with torch.device("meta"):
+        module = build()
+    tensors, _ = ModelAdapter(models[0], module, spec.components[models[0]].prefix).capture()
+    return {models[0]: sum(t.nbytes for t in tensors.values())}
+
+
 def cmd_plan(args: argparse.Namespace) -> None:
     from statereg.declaration import load_spec
     from statereg.engine.plan import compile_plan
 
     spec = load_spec(args.file)
-    print(compile_plan(spec, args.world_size).render())
+    nbytes = _model_bytes(args.model, spec) if args.model else None
+    print(compile_plan(spec, args.world_size, nbytes=nbytes).render())
 
 
 def cmd_schema(args: argparse.Namespace) -> None:
@@ -95,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="show who writes which component, where and how")
     p.add_argument("file", help="statereg.yaml")
     p.add_argument("--world-size", type=int, default=1, help="ranks to plan for (default 1)")
+    p.add_argument("--model", metavar="MODULE:CALLABLE",
+                   help="build the model (on the meta device, no memory) to show bytes per rank")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("schema", help="print the JSON Schema of statereg.yaml or of manifest.json")

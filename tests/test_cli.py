@@ -141,3 +141,21 @@ def test_console_script_is_installed() -> None:
     assert done.returncode == 0
     for command in ("plan", "schema", "ls", "inspect", "verify"):
         assert command in done.stdout
+
+
+def test_plan_with_a_model_shows_bytes_each_rank_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "plan_models.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Linear(1000, 1000)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yaml_file = tmp_path / "statereg.yaml"
+    yaml_file.write_text("storage: {url: ./c}\ncomponents: {model: {kind: model}, "
+                         "sched: {kind: scheduler}}\n")
+    assert main(["plan", str(yaml_file), "--world-size", "4", "--model",
+                 "plan_models:build"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line}
+    assert "1.00 MB" in lines["model"]  # (1000*1000 + 1000) fp32 bytes over 4 ranks
+    assert " - " in lines["sched"]
+    assert main(["plan", str(yaml_file), "--model", "no_such_module:build"]) == 2
+    assert "no_such_module:build" in capsys.readouterr().err

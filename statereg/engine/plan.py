@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from statereg.engine.report import format_table
+from statereg.engine.report import format_bytes, format_table
 from statereg.schemas.spec import Format, Kind, RegistrySpec, Sharing
 
 # Files inside a component directory.
@@ -33,6 +33,14 @@ class ComponentPlan:
     group: str | None = None
     validate: bool = False
     on_world_size_change: str = "error"
+    nbytes: int | None = None  # total tensor bytes, when a live object was measured
+
+    def bytes_per_writer(self, world_size: int) -> int | None:
+        """Bytes each writing rank writes: shards and replicas spread evenly over the ranks."""
+        if self.nbytes is None:
+            return None
+        spread = self.sharing in ("sharded", "replicated") and self.format == "dcp"
+        return -(-self.nbytes // world_size) if spread else self.nbytes
 
     def directory(self, group_id: str | None = None) -> str:
         """Where this component's files go: its own directory, per group for per_group."""
@@ -57,7 +65,8 @@ class CheckpointPlan:
 
     def render(self) -> str:
         """A table a person can read: one line per component."""
-        header = ("component", "kind", "sharing", "format", "written by", "files")
+        header = ("component", "kind", "sharing", "format", "written by", "bytes/writer",
+                  "files")
         rows = [header]
         for c in self.components:
             if c.sharing == "per_group":
@@ -66,7 +75,9 @@ class CheckpointPlan:
                 who = "every rank"
             else:
                 who = ", ".join(f"rank {r}" for r in c.writers)
-            rows.append((c.name, c.kind, c.sharing, c.format, who, " ".join(c.files)))
+            per_writer = c.bytes_per_writer(self.world_size)
+            shown = "-" if per_writer is None else format_bytes(per_writer)
+            rows.append((c.name, c.kind, c.sharing, c.format, who, shown, " ".join(c.files)))
         lines = [
             f"storage:    {self.storage}",
             f"world size: {self.world_size}",
@@ -77,7 +88,8 @@ class CheckpointPlan:
         return "\n".join(lines)
 
 
-def _component_plan(name: str, spec: RegistrySpec, world_size: int) -> ComponentPlan:
+def _component_plan(name: str, spec: RegistrySpec, world_size: int, nbytes: int | None,
+                    ) -> ComponentPlan:
     comp = spec.components[name]
     sharing, fmt = comp.resolved_sharing, comp.resolved_format
     every_rank = tuple(range(world_size))
@@ -93,14 +105,20 @@ def _component_plan(name: str, spec: RegistrySpec, world_size: int) -> Component
     else:
         writers, files = (0,), [f"{where}/{STATE_NAME}"]
     return ComponentPlan(name, comp.kind, sharing, fmt, writers, tuple(files), comp.group,
-                         comp.validate_replicas, comp.on_world_size_change)
+                         comp.validate_replicas, comp.on_world_size_change, nbytes)
 
 
 def compile_plan(spec: RegistrySpec, world_size: int = 1, storage: str | None = None,
-                 ) -> CheckpointPlan:
-    """The plan for `spec` on `world_size` ranks; `storage` is the URL to show (no options)."""
+                 nbytes: dict[str, int] | None = None) -> CheckpointPlan:
+    """The plan for `spec` on `world_size` ranks.
+
+    `storage` is the URL to show (never options); `nbytes` gives measured tensor bytes of
+    components, so the plan can say how much each writing rank writes.
+    """
+    sizes = nbytes or {}
     return CheckpointPlan(
         storage=storage or spec.storage.url,
         world_size=world_size,
-        components=tuple(_component_plan(n, spec, world_size) for n in spec.components),
+        components=tuple(_component_plan(n, spec, world_size, sizes.get(n))
+                         for n in spec.components),
     )
