@@ -1,6 +1,6 @@
 """Adapters from live objects (model, optimizer, scheduler, dataloader, RNG, custom) to state."""
 
-from statereg.state.factory import TensorAdapter, build_adapters
+from statereg.state.factory import build_adapters
 from statereg.state.model import ModelAdapter, TensorMeta
 from statereg.state.objects import DataloaderAdapter, ObjectAdapter
 from statereg.state.optimizer import OptimizerAdapter
@@ -12,7 +12,6 @@ __all__ = [
     "ObjectAdapter",
     "OptimizerAdapter",
     "RNGAdapter",
-    "TensorAdapter",
     "TensorMeta",
     "build_adapters",
 ]

@@ -11,7 +11,6 @@ from statereg.state.objects import DataloaderAdapter, ObjectAdapter
 from statereg.state.optimizer import OptimizerAdapter
 from statereg.state.rng import RNGAdapter
 
-TensorAdapter = ModelAdapter | OptimizerAdapter
 Adapter = ModelAdapter | OptimizerAdapter | ObjectAdapter | RNGAdapter
 
 
