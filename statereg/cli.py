@@ -1,4 +1,4 @@
-"""The `statereg` command: plan, schema, ls, inspect, verify.
+"""The `statereg` command: plan, schema, ls, inspect, verify, cp.
 
 `plan` and `schema` never import torch, so they answer in well under a second.
 """
@@ -21,14 +21,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         from statereg.declaration import load_spec
 
         options.update(load_spec(args.spec).storage.options)
-    if args.options:
-        try:
-            given = json.loads(args.options)
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"--options is not valid JSON: {exc}") from None
-        if not isinstance(given, dict):
-            raise SpecError("--options must be a JSON object, e.g. '{\"anon\": true}'")
-        options.update(given)
+    options.update(_json_options(args.options, "--options"))
     return options
 
 
@@ -110,6 +103,43 @@ def cmd_verify(args: argparse.Namespace) -> None:
           "every size and checksum matches the manifest")
 
 
+def _json_options(text: str | None, flag: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(given, dict):
+        raise SpecError(f"{flag} must be a JSON object, e.g. '{{\"anon\": true}}'")
+    return given
+
+
+def cmd_cp(args: argparse.Namespace) -> None:
+    import time
+
+    from statereg.backends.codec import CompressionSettings
+    from statereg.backends.registry import open_backend
+    from statereg.engine.copy import Recompress, copy_checkpoint
+    from statereg.engine.inspect import split_checkpoint_url
+    from statereg.engine.report import describe_rate
+
+    shared = _options(args)
+    root, name = split_checkpoint_url(args.src)
+    src = open_backend(root, {**shared, **_json_options(args.src_options, "--src-options")})
+    dst = open_backend(args.dst, {**shared, **_json_options(args.dst_options, "--dst-options")})
+    recompress: Recompress = "keep"
+    if args.compression == "none":
+        recompress = None
+    elif args.compression is not None:
+        recompress = CompressionSettings(level=args.level, float_aware=args.compression == "zstd")
+    started = time.perf_counter()
+    manifest = copy_checkpoint(src, name, dst, recompress)
+    rate = describe_rate(manifest.total_bytes, time.perf_counter() - started)
+    print(f"copied {args.src} -> {dst.display(name)}: {len(manifest.files)} files, every "
+          f"checksum verified; {rate}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="statereg", description="Declarative PyTorch training checkpoints."
@@ -146,6 +176,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="checkpoint path or URL")
     storage_args(p)
     p.set_defaults(run=cmd_verify)
+
+    p = sub.add_parser("cp", help="copy a committed checkpoint to another root (any backends)")
+    p.add_argument("src", help="checkpoint URL, e.g. s3://bkt/run/step_00000100")
+    p.add_argument("dst", help="destination root; the checkpoint keeps its name")
+    p.add_argument("--compression", choices=("zstd", "zstd-plain", "none"),
+                   help="rewrite tensor files: zstd (float-aware), zstd-plain (readable by "
+                   "plain DCP), none; default: copy the bytes as they are")
+    p.add_argument("--level", type=int, default=3, choices=range(1, 20), metavar="1..19",
+                   help="zstd level for --compression (default 3)")
+    p.add_argument("--src-options", help="storage options for SRC only (JSON object)")
+    p.add_argument("--dst-options", help="storage options for DST only (JSON object)")
+    storage_args(p)
+    p.set_defaults(run=cmd_cp)
     return parser
 
 

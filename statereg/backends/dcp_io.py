@@ -19,7 +19,7 @@ import threading
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -27,17 +27,29 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
     FileSystemReader,
     FileSystemWriter,
+    _StorageReaderTransforms,
+    _StorageWriterTransforms,
     _write_files_from_queue,
 )
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem, SavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
+from torch.distributed.checkpoint.planner import ReadItem, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from statereg.backends import codec
 from statereg.backends.base import FileRecorder, HashingWriter, StorageBackend
 from statereg.errors import CorruptCheckpointError
 
 METADATA_NAME = ".metadata"
+# What torch.save adds around a tensor's bytes (zip headers, the pickled tensor record).
+_TORCH_SAVE_OVERHEAD = 64 * 1024
+# Largest non-tensor item (pickled object) a compressed frame may inflate to.
+MAX_OBJECT_BYTES = 1 << 30
 
 # DCP warns on every single-process save/load; statereg chooses single-process on purpose.
 warnings.filterwarnings(
@@ -143,12 +155,15 @@ class BackendWriter(FileSystemWriter):
     """DCP storage writer into `path` (relative to the backend root), one fresh directory."""
 
     def __init__(self, backend: StorageBackend, path: str, recorder: FileRecorder,
-                 thread_count: int = 1) -> None:
+                 thread_count: int = 1,
+                 compression: codec.CompressionSettings | None = None) -> None:
         # sync_files=False: our streams are made durable by the backend before they are
         # reported (DCP's own fsync falls back to a machine-wide os.sync() on remote streams).
         super().__init__(path, sync_files=False, thread_count=thread_count, overwrite=False)
         self.fs = BackendFileSystem(backend, recorder)
         self.path = path
+        if compression is not None:
+            self.transforms = CompressingTransforms(compression)
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future:
         # DCP's version runs extra writer threads whose exceptions are printed and lost, and
@@ -188,6 +203,45 @@ class BackendWriter(FileSystemWriter):
             pickle.dump(metadata, out)
 
 
+class CompressingTransforms(_StorageWriterTransforms):
+    """Compresses each DCP item on its own: float tensors by planes (if asked), others zstd."""
+
+    def __init__(self, settings: codec.CompressionSettings) -> None:
+        super().__init__(())
+        self.settings = settings
+
+    def transform_save_stream(self, write_item: WriteItem, raw_stream: io.IOBase,
+                              ) -> tuple[Any, list[str]]:
+        layout = None
+        if self.settings.float_aware and write_item.type != WriteItemType.BYTE_IO:
+            assert write_item.tensor_data is not None
+            layout = codec.float_layout(write_item.tensor_data.properties.dtype)
+        if layout is None:
+            return (codec.EncodingStream(raw_stream, lambda data: codec.encode_zstd(
+                data, self.settings)), [codec.ZSTD_DESCRIPTOR])
+        size, rotate = layout
+        return (codec.EncodingStream(raw_stream, lambda data: codec.encode_planes(
+            data, size, rotate, self.settings)), [codec.PLANES_DESCRIPTOR])
+
+
+class _DecodingTransforms(_StorageReaderTransforms):
+    """Decodes compressed items, each bounded by the size DCP's metadata gives for it."""
+
+    def __init__(self, reader: BackendReader) -> None:
+        super().__init__()
+        self.reader = reader
+
+    def transform_load_stream(self, read_item: ReadItem, transform_descriptors: Any,
+                              raw_stream: IO[bytes]) -> IO[bytes]:
+        if not transform_descriptors:
+            return raw_stream
+        index = read_item.storage_index
+        source = self.reader.describe_item(index)
+        blob = raw_stream.read()
+        bound = self.reader.decoded_bound(index)
+        return io.BytesIO(codec.decode(transform_descriptors, blob, bound, source))
+
+
 class BackendReader(FileSystemReader):
     """DCP storage reader from `path` under the backend root, with safe metadata loading."""
 
@@ -197,6 +251,30 @@ class BackendReader(FileSystemReader):
         self.path = path
         self._backend = backend
         self._metadata_bytes: bytes | None = None
+        self._metadata: Metadata | None = None
+        self.transforms = _DecodingTransforms(self)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
+                              *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata
+
+    def describe_item(self, index: MetadataIndex) -> str:
+        """The file holding an item, and the item, for error messages."""
+        info = self.storage_data.get(index)
+        path = self.fs.concat_path(self.path, info.relative_path) if info else self.path
+        return f"{self._backend.display(path)} (item {index.fqn!r})"
+
+    def decoded_bound(self, index: MetadataIndex) -> int:
+        """The most bytes a compressed item may decode to, from the checkpoint's metadata."""
+        stored = self._metadata.state_dict_metadata.get(index.fqn) if self._metadata else None
+        if stored is None or isinstance(stored, BytesStorageMetadata):
+            return MAX_OBJECT_BYTES
+        element = torch._utils._element_size(stored.properties.dtype)
+        for chunk in stored.chunks:
+            if index.offset is None or tuple(chunk.offsets) == tuple(index.offset):
+                return chunk.sizes.numel() * element + _TORCH_SAVE_OVERHEAD
+        return stored.size.numel() * element + _TORCH_SAVE_OVERHEAD
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # Read once: statereg checks keys against it before dcp.load reads it again.

@@ -94,13 +94,18 @@ def verify_files(backend: StorageBackend, name: str, files: list[FileRecord],
                 f"{record.size}; the file is truncated or damaged: load an earlier checkpoint"
             )
         if mode == "full":
-            hasher = new_hasher()
-            hasher.update(data)
-            if checksum_of(hasher) != record.checksum:
-                raise CorruptCheckpointError(
-                    f"{backend.display(path)}: checksum {checksum_of(hasher)} differs from the "
-                    f"manifest's {record.checksum}; the file is damaged: load an earlier checkpoint"
-                )
+            check_checksum(backend.display(path), record, data)
+
+
+def check_checksum(where: str, record: FileRecord, data: bytes) -> None:
+    """Raise CorruptCheckpointError unless `data` has the checksum the manifest recorded."""
+    hasher = new_hasher()
+    hasher.update(data)
+    if checksum_of(hasher) != record.checksum:
+        raise CorruptCheckpointError(
+            f"{where}: checksum {checksum_of(hasher)} differs from the manifest's "
+            f"{record.checksum}; the file is damaged: load an earlier checkpoint"
+        )
 
 
 def stored_tensor_metas(reader: BackendReader) -> dict[str, TensorMeta]:

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import statereg
 from statereg.backends.base import FileRecorder, StorageBackend, WrittenFile, new_hasher
+from statereg.backends.codec import CompressionSettings
 from statereg.backends.dcp_io import BackendWriter
 from statereg.engine.commit import (
     Committed,
@@ -33,7 +34,7 @@ from statereg.errors import (
     SpecError,
 )
 from statereg.schemas.manifest import FORMAT_VERSION, ComponentRecord, FileRecord, Manifest
-from statereg.schemas.spec import RegistrySpec
+from statereg.schemas.spec import RegistrySpec, StorageSpec
 from statereg.state.factory import Adapter
 from statereg.state.model import ModelAdapter
 from statereg.state.optimizer import OptimizerAdapter
@@ -255,14 +256,31 @@ def _prepare_directory(backend: StorageBackend, name: str) -> None:
     )
 
 
+def compression_settings(storage: StorageSpec) -> CompressionSettings | None:
+    """The codec settings tensor files are written with, or None for uncompressed files."""
+    declared = storage.compression
+    if declared is None or declared.codec == "none":
+        return None
+    return CompressionSettings(level=declared.level, threads=declared.threads,
+                               float_aware=declared.float_aware)
+
+
+def file_codec(path: str, settings: CompressionSettings | None) -> str:
+    """What the manifest records for a file: DCP data files carry compressed items."""
+    if settings is None or not path.endswith(".distcp"):
+        return "none"
+    return "zstd+planes" if settings.float_aware else "zstd"
+
+
 def write_components(backend: StorageBackend, name: str, captured: list[CapturedComponent],
-                     io_threads: int, progress: Progress) -> list[WrittenFile]:
+                     storage: StorageSpec, progress: Progress) -> list[WrittenFile]:
     """Write this rank's files of every component; returns them relative to `name`."""
     recorder = FileRecorder()
+    compression = compression_settings(storage)
     for item in captured:
         if item.tensors is not None:
             writer = BackendWriter(backend, f"{name}/{item.dcp_dir}", recorder,
-                                   thread_count=io_threads)
+                                   thread_count=storage.io_threads, compression=compression)
             dcp.save(item.tensors, storage_writer=writer, process_group=item.dcp_group,
                      no_dist=item.dcp_group is None)
         for path, data in item.blobs.items():
@@ -299,7 +317,9 @@ def build_manifest(spec: RegistrySpec, captured: list[CapturedComponent],
         world_size=world_size,
         spec=redacted_spec(spec),
         components=components,
-        files=[FileRecord(path=f.path, size=f.size, checksum=f.checksum) for f in files],
+        files=[FileRecord(path=f.path, size=f.size, checksum=f.checksum,
+                          codec=file_codec(f.path, compression_settings(spec.storage)))
+               for f in files],
     )
 
 
@@ -318,8 +338,8 @@ def save_checkpoint(backend: StorageBackend, spec: RegistrySpec, captured: list[
     world.agree(error, f"save of {name}")
     total = sum(c.tensor_bytes + sum(len(b) for b in c.blobs.values()) for c in captured)
     with Progress(total, f"save {name}") as progress:
-        files, error = attempt(write_components, backend, name, captured,
-                                spec.storage.io_threads, progress)
+        files, error = attempt(write_components, backend, name, captured, spec.storage,
+                                progress)
     world.agree(error, f"writing {backend.display(name)}")
     reports = world.all_gather(files)
     committed: Committed | None = None

@@ -11,6 +11,7 @@ from statereg.schemas.manifest import (
 )
 from statereg.schemas.spec import (
     ComponentSpec,
+    CompressionSpec,
     KeepBestSpec,
     PrefixSpec,
     ProfileSpec,
@@ -25,6 +26,7 @@ __all__ = [
     "SCHEMA_FILES",
     "ComponentRecord",
     "ComponentSpec",
+    "CompressionSpec",
     "FileRecord",
     "KeepBestSpec",
     "Manifest",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -12,7 +12,7 @@ from statereg.errors import ManifestError
 from statereg.schemas.spec import Format, Kind, Sharing
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"  # 1.1: FileRecord.codec
 # A manifest lists files and small metadata; anything larger is not one we wrote.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
@@ -39,6 +39,11 @@ class FileRecord(_Record):
     path: str = Field(description="Path relative to the checkpoint directory; never '..'.")
     size: int = Field(ge=0, description="Size in bytes as stored.")
     checksum: str = Field(description="'xxh3_64:' and 16 hex digits, computed while writing.")
+    codec: Literal["none", "zstd", "zstd+planes"] = Field(
+        default="none",
+        description="How items inside the file are compressed (DCP records each item's "
+        "transform too): zstd frames, or float byte planes then zstd.",
+    )
 
     _check_path = field_validator("path")(check_relative_path)
 

@@ -1,7 +1,8 @@
 """What a user does with checkpoints works the same on every backend: local, memory, S3, GCS.
 
-Each test runs once per backend against a fresh root; S3 and GCS are real servers (moto and
-gcp-storage-emulator, see conftest.py). Only `storage.url` and `storage.options` differ.
+Each test runs once per backend against a fresh root, uncompressed and compressed; S3 and GCS
+are real servers (moto and gcp-storage-emulator, see conftest.py). Only `storage.url`,
+`storage.options` and `storage.compression` differ.
 """
 
 from __future__ import annotations
@@ -17,13 +18,28 @@ import yaml
 from tiny_training import COMPONENTS, TinyRun, assert_identical, next_draws
 
 import statereg
+import statereg.backends.registry
 import statereg.cli
+import statereg.engine.copy
+import statereg.engine.inspect
 import statereg.engine.save
+
+COMPRESSION: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True, params=["plain", "zstd"])
+def compression(request: pytest.FixtureRequest) -> Any:
+    """Every test of this module runs without and with `storage.compression: zstd`."""
+    COMPRESSION.clear()
+    if request.param == "zstd":
+        COMPRESSION["compression"] = "zstd"
+    yield request.param
+    COMPRESSION.clear()
 
 
 def declaration(url: str, options: dict[str, Any], **save: Any) -> dict[str, Any]:
-    return {"storage": {"url": url, "options": options}, "components": COMPONENTS,
-            "save": save}
+    return {"storage": {"url": url, "options": options, **COMPRESSION},
+            "components": COMPONENTS, "save": save}
 
 
 def manager(store: Any, run: TinyRun, **save: Any) -> statereg.CheckpointManager:
@@ -140,6 +156,75 @@ def test_the_cli_lists_and_verifies_checkpoints_on_the_store(store, capsys):
     assert "step_00000001" in listing and "step_00000002 (latest)" in listing
     assert statereg.cli.main(["verify", url, *options]) == 0
     assert capsys.readouterr().out.startswith(f"ok: {url}")
+
+
+def test_cp_moves_a_checkpoint_between_backends_and_recompresses(store, tmp_path, capsys):
+    run = TinyRun(seed=0)
+    run.train()
+    url = manager(store, run).save(step=3)
+    saved = run.snapshot()
+    laptop = tmp_path / "laptop"
+
+    assert statereg.cli.main(["cp", url, str(laptop), "--src-options",
+                              json.dumps(store.options), "--compression", "zstd"]) == 0
+    assert "every checksum verified" in capsys.readouterr().out
+    copy = statereg.verify(str(laptop / "step_00000003"))
+    assert {f.codec for f in copy.files if f.path.endswith(".distcp")} == {"zstd+planes"}
+
+    # ... and back to the store under another root, uncompressed this time.
+    back = f"{store.url}-back"
+    assert statereg.cli.main(["cp", str(laptop / "step_00000003"), back, "--dst-options",
+                              json.dumps(store.options), "--compression", "none"]) == 0
+    fresh = TinyRun(seed=1)
+    result = manager(store, fresh).load(f"{back}/step_00000003", verify="full")
+    assert result.step == 3
+    assert_identical(fresh.snapshot(), saved)
+    assert {f.codec for f in statereg.verify(f"{back}/step_00000003", store.options).files} == {
+        "none"}
+
+
+def test_cp_of_a_damaged_checkpoint_commits_nothing(store, tmp_path, capsys):
+    run = TinyRun(seed=0)
+    url = manager(store, run).save(step=5)
+    manifest = statereg.verify(url, store.options)
+    damaged = next(f.path for f in manifest.files if f.path.endswith(".distcp"))
+    object_path = store.path(f"step_00000005/{damaged}")
+    data = bytearray(store.fs.cat_file(object_path))
+    data[-1] ^= 0xFF
+    store.fs.pipe_file(object_path, bytes(data))
+
+    dst = tmp_path / "copy"
+    assert statereg.cli.main(["cp", url, str(dst), "--src-options",
+                              json.dumps(store.options)]) == 1
+    assert damaged in capsys.readouterr().err
+    assert not list(dst.rglob("manifest.json"))
+    assert statereg.cli.main(["ls", str(dst)]) == 0
+    assert "no committed checkpoints" in capsys.readouterr().out
+
+
+def test_an_interrupted_cp_leaves_no_manifest_and_a_retry_succeeds(store, tmp_path, monkeypatch):
+    run = TinyRun(seed=0)
+    url = manager(store, run).save(step=6)
+    src = statereg.engine.inspect.open_checkpoint(url, store.options)[0]
+    dst_root = tmp_path / "copy"
+    dst = statereg.backends.registry.open_backend(str(dst_root))
+    real_write = type(dst).write_bytes
+    calls: list[str] = []
+
+    def dies_on_third_file(self: Any, path: str, data: bytes) -> Any:
+        calls.append(path)
+        if len(calls) == 3:
+            raise SimulatedCrash
+        return real_write(self, path, data)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(dst), "write_bytes", dies_on_third_file)
+        with pytest.raises(SimulatedCrash):
+            statereg.engine.copy.copy_checkpoint(src, "step_00000006", dst)
+    assert not list(dst_root.rglob("manifest.json"))
+
+    statereg.engine.copy.copy_checkpoint(src, "step_00000006", dst)
+    assert statereg.verify(str(dst_root / "step_00000006")).step == 6
 
 
 class SimulatedCrash(Exception):

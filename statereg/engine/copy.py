@@ -1,0 +1,159 @@
+"""Copy a committed checkpoint between any two roots, optionally changing its compression.
+
+Every source file is checked against the manifest's size and checksum before it is written;
+the destination manifest is written last, so an interrupted copy leaves no committed
+checkpoint behind (`statereg gc` removes its leftovers).
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from statereg.backends.base import FileRecorder, StorageBackend, WrittenFile
+from statereg.backends.codec import CompressionSettings
+from statereg.backends.dcp_io import METADATA_NAME, BackendReader, BackendWriter, SafeLoadPlanner
+from statereg.engine.commit import (
+    LATEST_NAME,
+    Committed,
+    read_latest,
+    read_manifest_at,
+    step_of,
+)
+from statereg.engine.load import check_checksum
+from statereg.engine.report import Progress
+from statereg.engine.save import file_codec
+from statereg.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from statereg.schemas.manifest import MANIFEST_NAME, FileRecord, Manifest
+
+logger = logging.getLogger("statereg")
+
+# "keep": copy the bytes as they are; None: write uncompressed; settings: (re)compress.
+Recompress = CompressionSettings | None | Literal["keep"]
+
+
+class _LoadEverything(SafeLoadPlanner):
+    """Loads every item of a DCP directory into a flat dict keyed as stored (weights-only)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        assert metadata is not None and not state_dict
+        for key, stored in metadata.state_dict_metadata.items():
+            if isinstance(stored, TensorStorageMetadata):
+                stored = torch.empty(stored.size, dtype=stored.properties.dtype)
+            state_dict[key] = stored
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+
+def _is_dcp_file(path: str) -> bool:
+    name = posixpath.basename(path)
+    return name == METADATA_NAME or name.endswith(".distcp")
+
+
+def _check_destination(backend: StorageBackend, name: str) -> None:
+    try:
+        read_manifest_at(backend, name)
+    except CheckpointNotFoundError:
+        if backend.list_dir(name):
+            logger.warning("removing leftovers of an interrupted copy in %s",
+                           backend.display(name))
+            backend.remove_tree(name)
+        return
+    raise CheckpointExistsError(
+        f"{backend.display(name)} is already a committed checkpoint; copy to another root or "
+        "delete it first (statereg never overwrites a committed checkpoint)"
+    )
+
+
+def _read_checked(backend: StorageBackend, name: str, record: FileRecord) -> bytes:
+    path = f"{name}/{record.path}"
+    try:
+        data = backend.read_bytes(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{backend.display(path)} is missing; the manifest lists it. Nothing was copied"
+        ) from None
+    if len(data) != record.size:
+        raise CorruptCheckpointError(
+            f"{backend.display(path)} has {len(data)} bytes, the manifest recorded "
+            f"{record.size}; nothing was committed at the destination"
+        )
+    check_checksum(backend.display(path), record, data)
+    return data
+
+
+def _rewrite_dcp(src: StorageBackend, src_dir: str, dst: StorageBackend, dst_dir: str,
+                 compression: CompressionSettings | None, recorder: FileRecorder) -> None:
+    """Load every item of one DCP directory and write it again with `compression`."""
+    state: dict[str, Any] = {}
+    # The private loader fills `state` in place (dcp.load copies the dict it is given).
+    _load_state_dict(state, storage_reader=BackendReader(src, src_dir),
+                     planner=_LoadEverything(), no_dist=True)
+    writer = BackendWriter(dst, dst_dir, recorder, thread_count=2, compression=compression)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
+                    recompress: Recompress = "keep") -> Manifest:
+    """Copy checkpoint `name` from `src` to the same name under `dst`; returns the new manifest.
+
+    With `recompress` other than "keep", each DCP directory is read whole into memory and
+    written again; other files are copied byte for byte.
+    """
+    source = Committed(name, read_manifest_at(src, name))
+    _check_destination(dst, name)
+    records = source.manifest.files
+    dcp_dirs: set[str] = set()
+    if recompress != "keep":
+        dcp_dirs = {posixpath.dirname(r.path) for r in records
+                    if posixpath.basename(r.path) == METADATA_NAME}
+        for record in records:  # fail before writing anything if the source is damaged
+            _read_checked(src, name, record)
+    recorder = FileRecorder()
+    codecs = {r.path: r.codec for r in records}
+    with Progress(source.manifest.total_bytes, f"copy {name}") as progress:
+        for record in records:
+            if posixpath.dirname(record.path) in dcp_dirs and _is_dcp_file(record.path):
+                continue
+            data = _read_checked(src, name, record)
+            recorder.add(dst.write_bytes(f"{name}/{record.path}", data))
+            progress.update(record.size)
+        for directory in sorted(dcp_dirs):
+            assert recompress != "keep"
+            _rewrite_dcp(src, f"{name}/{directory}", dst, f"{name}/{directory}", recompress,
+                         recorder)
+            for written in recorder.files():
+                if written.path.startswith(f"{name}/{directory}/"):
+                    codecs[written.path.removeprefix(f"{name}/")] = file_codec(
+                        written.path, recompress)
+    manifest = _retarget(source.manifest, name, recorder.files(), codecs)
+    dst.write_bytes(f"{name}/{MANIFEST_NAME}", manifest.to_json())
+    latest = read_latest(dst)
+    if latest is None or (step_of(latest) or -1) < manifest.step:
+        dst.write_bytes(LATEST_NAME, name.encode())
+    return manifest
+
+
+def _retarget(manifest: Manifest, name: str, written: list[WrittenFile],
+              codecs: dict[str, str]) -> Manifest:
+    """The source manifest with the files as written at the destination."""
+    files = []
+    for item in written:
+        path = item.path.removeprefix(f"{name}/")
+        files.append(FileRecord(path=path, size=item.size, checksum=item.checksum,
+                                codec=codecs.get(path, "none")))
+    data = manifest.model_dump(mode="json")
+    data["files"] = [f.model_dump(mode="json") for f in files]
+    for comp_name, comp in data["components"].items():
+        mine = [f for f in files if f.path.startswith(f"{comp_name}/")]
+        comp.update(files=[f.path for f in mine], bytes=sum(f.size for f in mine))
+    return Manifest.model_validate(data)
