@@ -40,7 +40,18 @@ def _load_entry_points() -> None:
         return
     _entry_points_loaded = True
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        register_backend(entry.load())
+        try:
+            backend = entry.load()
+        except Exception as exc:
+            raise SpecError(
+                f"storage backend entry point {entry.name!r} ({entry.value}, group "
+                f"{ENTRY_POINT_GROUP}) failed to import: {exc}; fix or uninstall the package "
+                "that provides it"
+            ) from exc
+        if not (isinstance(backend, type) and issubclass(backend, StorageBackend)):
+            raise SpecError(f"storage backend entry point {entry.name!r} ({entry.value}) is not "
+                            "a StorageBackend subclass")
+        register_backend(backend)
 
 
 def url_scheme(url: str) -> str:
