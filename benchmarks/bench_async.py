@@ -1,14 +1,18 @@
-"""How long save() blocks the training loop: sync vs async, against a plain memory copy.
+"""How long save() stalls the training loop: sync, async, async with early return.
 
 Run by hand (not a test):  .venv/bin/python benchmarks/bench_async.py --gb 1 --saves 20
-The floor is one copy of the same tensors into preallocated buffers. Peak RSS is sampled
-after each save to show whether staging memory grows across saves.
+The floor is one copy of the same tensors into preallocated buffers. After each save() the
+loop "works" for --work seconds (a sleep standing in for forward and backward, which read
+the weights but change none), then waits for staging and mutates the weights in place, as
+optimizer.step() would. The stall is the time the loop spends inside save() and
+wait_staged(). Peak RSS is sampled after each save to show whether staging memory grows.
 """
 
 from __future__ import annotations
 
 import argparse
 import resource
+import shutil
 import statistics
 import tempfile
 import time
@@ -18,6 +22,12 @@ import torch
 from bench_save_load import build_state
 
 import statereg
+
+MODES = {
+    "off": {"async": "off"},
+    "thread": {"async": "thread"},
+    "thread+early_return": {"async": "thread", "early_return": True},
+}
 
 
 def rss_gb() -> float:
@@ -29,6 +39,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gb", type=float, default=1.0)
     parser.add_argument("--saves", type=int, default=20)
+    parser.add_argument("--work", type=float, default=0.0,
+                        help="seconds of simulated forward+backward between save() and step")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
 
@@ -45,31 +58,38 @@ def main() -> None:
         floor.append(time.perf_counter() - start)
     del copies
     print(f"state: {nbytes / 1e9:.2f} GB; memory copy into preallocated buffers: "
-          f"median {statistics.median(floor):.3f} s")
+          f"median {statistics.median(floor):.3f} s; simulated work per step: {args.work} s")
 
-    for mode in ("off", "thread"):
-        root = Path(tempfile.mkdtemp(prefix=f"statereg-async-{mode}-", dir=args.dir))
+    for mode in args.modes:
+        root = Path(tempfile.mkdtemp(prefix="statereg-async-", dir=args.dir))
         spec = {"storage": {"url": str(root)},
                 "components": {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}},
-                "save": {"async": mode, "keep_last": 1}}
+                "save": {**MODES[mode], "keep_last": 1}}
         mgr = statereg.CheckpointManager(spec, model=model, optimizer=opt)
-        blocked, total, rss = [], [], []
+        in_save, stall, total, rss = [], [], [], []
         for step in range(args.saves):
             start = time.perf_counter()
-            mgr.save(step=step)
-            blocked.append(time.perf_counter() - start)
-            with torch.no_grad():  # the loop mutates weights while the save is in flight
+            handle = mgr.save(step=step)
+            returned = time.perf_counter()
+            time.sleep(args.work)
+            waiting = time.perf_counter()
+            handle.wait_staged()
+            in_save.append(returned - start)
+            stall.append(returned - start + time.perf_counter() - waiting)
+            with torch.no_grad():  # optimizer.step(): weights change in place
                 for p in model.parameters():
                     p.mul_(1.0)
             mgr.wait()
             total.append(time.perf_counter() - start)
             rss.append(rss_gb())
         mgr.close()
-        print(f"async={mode:6s} save() blocked: median {statistics.median(blocked):.3f} s "
-              f"(first {blocked[0]:.3f} s, later min-max {min(blocked[1:]):.3f}-"
-              f"{max(blocked[1:]):.3f}); until committed: median {statistics.median(total):.2f}"
-              f" s; RSS after save 1 / 2 / {args.saves}: {rss[0]:.2f} / {rss[1]:.2f} / "
-              f"{rss[-1]:.2f} GB")
+        del mgr, handle  # free this mode's staging buffers before the next one
+        shutil.rmtree(root)
+        print(f"{mode:19s} stall: median {statistics.median(stall):.3f} s (first "
+              f"{stall[0]:.3f} s, later min-max {min(stall[1:]):.3f}-{max(stall[1:]):.3f}; "
+              f"in save() {statistics.median(in_save):.3f} s); until committed: median "
+              f"{statistics.median(total):.2f} s; RSS after save 1 / 2 / {args.saves}: "
+              f"{rss[0]:.2f} / {rss[1]:.2f} / {rss[-1]:.2f} GB")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ _EXPORTS = {
     "Manifest": "statereg.schemas",
     "CheckpointManager": "statereg.manager",
     "LoadResult": "statereg.engine.load",
+    "KeyReport": "statereg.engine.load",
+    "load_model_from": "statereg.formats.interop",
+    "export_hf": "statereg.formats.interop",
     "read_manifest": "statereg.engine.inspect",
     "verify": "statereg.engine.inspect",
     "StateregError": "statereg.errors",
@@ -29,6 +32,7 @@ _EXPORTS = {
     "CheckpointMismatchError": "statereg.errors",
     "CheckpointNotFoundError": "statereg.errors",
     "CheckpointExistsError": "statereg.errors",
+    "CheckpointInProgressError": "statereg.errors",
     "LoadOrderError": "statereg.errors",
 }
 
@@ -37,9 +41,10 @@ __all__ = ["__version__", *_EXPORTS]
 if TYPE_CHECKING:
     from statereg.declaration import load_spec
     from statereg.engine.inspect import read_manifest, verify
-    from statereg.engine.load import LoadResult
+    from statereg.engine.load import KeyReport, LoadResult
     from statereg.errors import (
         CheckpointExistsError,
+        CheckpointInProgressError,
         CheckpointMismatchError,
         CheckpointNotFoundError,
         CorruptCheckpointError,
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
         StateregError,
         StorageError,
     )
+    from statereg.formats.interop import export_hf, load_model_from
     from statereg.manager import CheckpointManager
     from statereg.schemas import ComponentSpec, Manifest, RegistrySpec, StorageSpec
 

@@ -1,4 +1,4 @@
-"""The `statereg` command: plan, schema, ls, inspect, verify, cp.
+"""The `statereg` command: plan, schema, ls, inspect, verify, cp, export-hf.
 
 `plan` and `schema` never import torch, so they answer in well under a second.
 """
@@ -86,12 +86,37 @@ def cmd_ls(args: argparse.Namespace) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     from statereg.engine.inspect import describe, read_manifest
+    from statereg.errors import CheckpointNotFoundError
 
-    manifest = read_manifest(args.url, _options(args))
+    try:
+        manifest = read_manifest(args.url, _options(args))
+    except CheckpointNotFoundError:
+        if args.json:  # there is no manifest to print
+            raise
+        from statereg.formats.interop import describe_foreign
+
+        print(describe_foreign(args.url, _options(args)))  # plain DCP or safetensors, or raise
+        return
     if args.json:
         print(manifest.to_json().decode())
     else:
         print(describe(manifest, args.url))
+
+
+def cmd_export_hf(args: argparse.Namespace) -> None:
+    from statereg.engine.report import format_bytes
+    from statereg.formats.interop import export_hf
+    from statereg.schemas.spec import parse_size
+
+    try:
+        limit = parse_size(args.max_shard_size)
+    except ValueError as exc:
+        raise SpecError(f"--max-shard-size: {exc}") from None
+    done = export_hf(args.url, args.out_dir, component=args.component, dtype=args.dtype,
+                     max_shard_size=limit, config=args.config, options=_options(args))
+    print(f"wrote {done.path}: {done.tensors} tensors, {format_bytes(done.bytes)} in "
+          f"{len(done.files)} files ({', '.join(done.files[:4])}"
+          f"{', ...' if len(done.files) > 4 else ''})")
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
@@ -140,6 +165,43 @@ def cmd_cp(args: argparse.Namespace) -> None:
           f"checksum verified; {rate}")
 
 
+def _duration(text: str) -> float:
+    """Seconds from '3600', '90s', '30m', '1h' or '2d'."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    value, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        seconds = float(value) * units[unit]
+    except ValueError:
+        raise SpecError(f"--grace {text!r}: write seconds or e.g. 30m, 1h, 2d") from None
+    if seconds < 0:
+        raise SpecError(f"--grace {text!r} must not be negative")
+    return seconds
+
+
+def cmd_gc(args: argparse.Namespace) -> None:
+    from statereg.backends.registry import open_backend
+    from statereg.engine.gc import collect_garbage
+    from statereg.engine.report import format_bytes, format_table
+
+    backend = open_backend(args.root, _options(args))
+    found = collect_garbage(backend, delete=args.delete, grace_s=_duration(args.grace))
+    if not found:
+        print(f"no leftovers in {backend.url}")
+        return
+    rows = [("path", "what", "size", "age", "action")]
+    for item in found:
+        age = "-" if item.age_s is None else f"{item.age_s:.0f} s"
+        rows.append((item.path, item.kind, format_bytes(item.size), age, item.action))
+    print("\n".join(format_table(rows)))
+    removable = [f for f in found if f.deletable]
+    size = format_bytes(sum(f.size for f in removable))
+    if args.delete:
+        print(f"deleted {len(removable)} of {len(found)} leftovers ({size})")
+    else:
+        print(f"dry run: {len(removable)} of {len(found)} leftovers ({size}) would be deleted; "
+              "run again with --delete to remove them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="statereg", description="Declarative PyTorch training checkpoints."
@@ -176,6 +238,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="checkpoint path or URL")
     storage_args(p)
     p.set_defaults(run=cmd_verify)
+
+    p = sub.add_parser("gc", help="list (or --delete) leftovers of interrupted saves under a root")
+    p.add_argument("root", help="checkpoint root: path or URL")
+    p.add_argument("--delete", action="store_true",
+                   help="remove the leftovers (default: a dry run that only lists them)")
+    p.add_argument("--grace", default="1h",
+                   help="keep leftovers younger than this, a save may be writing them "
+                   "(seconds, or e.g. 30m, 1h; default 1h)")
+    storage_args(p)
+    p.set_defaults(run=cmd_gc)
+
+    p = sub.add_parser("export-hf",
+                       help="write a checkpoint's model as a Hugging Face safetensors directory")
+    p.add_argument("url", help="checkpoint path or URL")
+    p.add_argument("out_dir", help="directory (path or URL) for the safetensors files")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                   help="convert floating-point tensors (default: as saved)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest file, e.g. 2GB, 500MB, 512MiB (default 5GB)")
+    p.add_argument("--config", help="a config.json to copy beside the weights")
+    p.add_argument("--component", help="the model component (default: the only one)")
+    storage_args(p)
+    p.set_defaults(run=cmd_export_hf)
 
     p = sub.add_parser("cp", help="copy a committed checkpoint to another root (any backends)")
     p.add_argument("src", help="checkpoint URL, e.g. s3://bkt/run/step_00000100")

@@ -29,6 +29,13 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) 
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a mapping key must be a plain value, not {type(key).__name__}",
+                key_node.start_mark,
+            ) from None
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None,
@@ -90,6 +97,37 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     return found
 
 
+def _check_text(value: Any, label: str, where: list[str], depth: int = 0) -> None:
+    """Every string must be encodable text: YAML's "\\ud800" escape makes a lone surrogate,
+    which no message (nor a storage URL) can carry. Nesting is bounded too."""
+    if depth > 100:
+        raise SpecError(f"{label}: {'.'.join(where[:5])}...: nested more than 100 levels deep")
+    items: Any = ()
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            spot = ".".join(where) or "(root)"
+            raise SpecError(f"{label}: {spot}: {value.encode('utf-8', 'backslashreplace')!r} "
+                            "is not valid text (a lone surrogate escape such as \\ud800)"
+                            ) from None
+        return
+    for key, item in items:
+        if isinstance(key, str):
+            _check_text(key, label, where)
+        _check_text(item, label, [*where, str(key)], depth + 1)
+
+
+def _may_hold_options(loc: tuple[Any, ...]) -> bool:
+    """Whether the input at `loc` can contain storage.options (credentials): never echo it."""
+    options = ("storage", "options")
+    return tuple(loc[:2]) == options or options[: len(loc)] == tuple(loc)
+
+
 def format_validation_error(exc: ValidationError, source: str) -> str:
     """One line per problem: `source: field.path: message`; unknown fields end the path."""
     lines = []
@@ -101,7 +139,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
         msg = err["msg"]
         if err["type"] == "missing":
             msg = "required field is missing"
-        elif "input" in err and err["type"] not in ("unknown_field", "value_error"):
+        elif "input" in err and err["type"] not in ("unknown_field", "value_error") \
+                and not _may_hold_options(err["loc"]):
             msg = f"{msg} (got {err['input']!r})"
         lines.append(f"{source}: {where}: {msg.removeprefix('Value error, ')}")
     return "\n".join(lines)
@@ -137,6 +176,7 @@ def load_spec(
         _set_dotted(data, dotted, value, f"{label} (from {ENV_PREFIX}{dotted.upper()})")
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value, f"{label} (override {dotted})")
+    _check_text(data, label, [])
     try:
         return RegistrySpec.model_validate(data)
     except ValidationError as exc:

@@ -38,5 +38,9 @@ class CheckpointExistsError(StateregError, FileExistsError):
     """A committed checkpoint already holds the requested step."""
 
 
+class CheckpointInProgressError(CheckpointExistsError):
+    """Another save, still running, holds the requested step (two saves cannot both commit)."""
+
+
 class LoadOrderError(StateregError):
     """Saved state arrived after its object had started (e.g. a dataloader mid-epoch)."""

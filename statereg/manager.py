@@ -24,17 +24,46 @@ from statereg.engine.inspect import split_checkpoint_url
 from statereg.engine.load import LoadResult, VerifyMode, load_checkpoint, select_components
 from statereg.engine.plan import CheckpointPlan, compile_plan
 from statereg.engine.save import (
+    CapturedComponent,
     StagingArea,
     capture,
     check_consistency,
     check_extra,
     check_replicas,
+    loop_stream,
     save_checkpoint,
 )
 from statereg.engine.world import World, attempt
 from statereg.errors import CheckpointNotFoundError, SpecError
+from statereg.formats.interop import ForeignKind, detect_foreign, load_foreign
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.factory import build_adapters, check_objects
+
+
+class SaveHandle(str):
+    """What save() returns: the checkpoint's URL (a plain str to every caller) and a wait.
+
+    With `save.early_return`, `wait_staged()` blocks until the state is copied to host
+    buffers, after which the loop may change parameters and optimizer state, and re-raises a
+    failure of that copy. Otherwise the copy is done before save() returns, and it returns
+    at once. `CheckpointManager.wait()` waits for the commit.
+    """
+
+    _staged: Future[None] | None
+
+    def __new__(cls, url: str, staged: Future[None] | None = None) -> SaveHandle:
+        handle = super().__new__(cls, url)
+        handle._staged = staged
+        return handle
+
+    def wait_staged(self) -> None:
+        """Block until this save's copy to host buffers is done; re-raise its failure."""
+        if self._staged is not None:
+            self._staged.result()
+
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        # Pickled or copied, a handle is its URL: a Future cannot leave this process.
+        return str, (str(self),)
 
 
 @dataclass(frozen=True)
@@ -69,15 +98,17 @@ class CheckpointManager:
         self._staging = StagingArea(pinned=self.spec.save.async_mode == "pinned")
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[Committed] | None = None
+        self._staged: Future[None] | None = None
 
     # -- saving -------------------------------------------------------------------------
 
     def save(self, step: int, tokens_seen: int | None = None,
-             extra: dict[str, Any] | None = None) -> str:
-        """Save every attached component as checkpoint `step`; returns its URL.
+             extra: dict[str, Any] | None = None) -> SaveHandle:
+        """Save every attached component as checkpoint `step`; returns its URL (a SaveHandle).
 
         With `save.async: thread` this returns once the state is copied to host memory;
-        the write and commit run in the background (see `wait`).
+        the write and commit run in the background (see `wait`). With `save.early_return`
+        the copy runs in the background too: call `wait_staged()` before changing the state.
         """
         if not isinstance(step, int) or step < 0:
             raise SpecError(f"save(step={step!r}): step must be a non-negative int")
@@ -91,18 +122,52 @@ class CheckpointManager:
         world.agree(error, f"save of step {step}: validating replicas")
         args = (self._backend, self.spec)
         rest = (step, tokens_seen, extra, world)
+        url = self._backend.display(checkpoint_name(step))
         if self.spec.save.async_mode == "off":
             save_checkpoint(*args, captured, *rest)
-        else:
-            staged = self._staging.stage(captured)
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="statereg-save")
+            return SaveHandle(url)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="statereg-save")
+        if not self.spec.save.early_return:
+            staged = self._stage(captured, step)
             self._inflight = self._executor.submit(save_checkpoint, *args, staged, *rest)
-        return self._backend.display(checkpoint_name(step))
+            return SaveHandle(url)
+        done: Future[None] = Future()
+        stream = loop_stream()
+
+        def stage_then_save() -> Committed:
+            try:
+                staged = self._stage(captured, step, stream)
+            except BaseException as exc:
+                done.set_exception(exc)
+                raise
+            done.set_result(None)
+            return save_checkpoint(*args, staged, *rest)
+
+        self._staged = done
+        self._inflight = self._executor.submit(stage_then_save)
+        return SaveHandle(url, done)
+
+    def _stage(self, captured: list[CapturedComponent], step: int, stream: Any = None,
+               ) -> list[CapturedComponent]:
+        """Copy the tensors into the staging buffers; a failure on any rank fails every rank."""
+        staged, error = attempt(self._staging.stage, captured, stream)
+        self.world.agree(error, f"save of step {step}: copying state to host buffers")
+        return staged
+
+    def wait_staged(self) -> None:
+        """Block until the pending save's copy to host buffers is done; re-raise its failure.
+
+        Only `save.early_return` leaves a copy running after save() returns; the loop must
+        call this (or `wait_staged()` on the handle) before it changes parameters or
+        optimizer state. A failure is raised again by the next `wait()` or `save()`.
+        """
+        if self._staged is not None:
+            self._staged.result()
 
     def wait(self) -> None:
         """Block until the pending background save is committed; re-raise its failure."""
-        inflight, self._inflight = self._inflight, None
+        inflight, self._inflight, self._staged = self._inflight, None, None
         if inflight is not None:
             inflight.result()
 
@@ -144,6 +209,17 @@ class CheckpointManager:
         backend = self._backend_for(root)
         return backend, Committed(name, read_manifest_at(backend, name))
 
+    def _foreign(self, path: str | os.PathLike[str],
+                 ) -> tuple[StorageBackend, str, ForeignKind] | None:
+        """A directory without a manifest that holds safetensors files or plain DCP."""
+        text = os.fspath(path)
+        if step_of(text) is not None:
+            return None
+        root, name = split_checkpoint_url(text)
+        backend = self._backend_for(root)
+        kind = detect_foreign(backend, name)
+        return None if kind is None else (backend, name, kind)
+
     def load(self, path: str | os.PathLike[str] | None = None, *, step: int | None = None,
              exclude: list[str] | None = None, include: list[str] | None = None,
              profile: str | None = None, strict: bool = True, verify: VerifyMode = "fast",
@@ -152,6 +228,9 @@ class CheckpointManager:
 
         `exclude`/`include`/`profile` choose components (e.g. a fine-tune loads the model
         only); `strict=False` loads the model keys that match and ignores the rest.
+        `path` may also be a directory without a statereg manifest (docs/formats.md): a
+        Hugging Face safetensors directory fills the model component; a plain DCP checkpoint
+        fills the components named in `include`. Such a result has `verified=False`.
         """
         if verify not in ("off", "fast", "full"):
             raise SpecError(f"load(verify={verify!r}): use 'off', 'fast' or 'full'")
@@ -166,7 +245,14 @@ class CheckpointManager:
             exclude += chosen.exclude
             include = include or chosen.include
         self.wait()
-        resolved = self._resolve(path, step)
+        try:
+            resolved = self._resolve(path, step)
+        except CheckpointNotFoundError:
+            foreign = None if path is None else self._foreign(path)
+            if foreign is None:
+                raise
+            return load_foreign(*foreign, self.plan, self._adapters, include, exclude,
+                                self.world, strict)
         if resolved is None:
             return None
         backend, committed = resolved

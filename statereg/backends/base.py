@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import IO, Any, ClassVar
 
 import fsspec
@@ -24,6 +25,8 @@ from statereg.errors import SpecError, StorageError
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # Operations where "not found" is an answer, not a failure.
 _LOOKUPS = frozenset({"read", "open", "check", "stat", "list"})
+# The operation whose "already exists" is an answer (the caller lost a race), not a failure.
+EXCLUSIVE_WRITE = "exclusive write"
 # Option values shown in messages, since they help to debug and are not credentials.
 _SHOWN_OPTIONS = frozenset({"endpoint_url", "region_name", "project"})
 
@@ -74,6 +77,42 @@ def expand_env(options: dict[str, Any]) -> dict[str, Any]:
         return value
 
     return expand(options)
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """A file found under a path: relative to the root, its size and last modification time."""
+
+    path: str
+    size: int
+    mtime: float | None  # seconds since the epoch; None where the store does not say
+
+
+@dataclass(frozen=True)
+class IncompleteUpload:
+    """A multipart upload that was started and never completed nor aborted (object stores)."""
+
+    path: str
+    upload_id: str
+    initiated: float | None
+
+
+def info_mtime(info: dict[str, Any]) -> float | None:
+    """The modification time in an fsspec `info` dict, whatever the implementation calls it."""
+    for key in ("mtime", "LastModified", "updated", "last_modified", "created", "timeCreated"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
 
 
 @dataclass(frozen=True)
@@ -172,6 +211,9 @@ class StorageBackend:
     # The fsspec implementation's package and the statereg extra that installs it.
     client_package: ClassVar[str | None] = None
     install_extra: ClassVar[str] = ""
+    # Whether `create_bytes` is atomic against other processes (a conditional write on the
+    # store); the generic fallback checks, then writes, which two writers can both pass.
+    atomic_create: ClassVar[bool] = False
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/") or url
@@ -225,6 +267,8 @@ class StorageBackend:
         except StorageError as exc:
             error, cause = exc, exc.__cause__
         except Exception as exc:  # the client libraries raise many types; report them as one
+            if isinstance(exc, FileExistsError) and operation == EXCLUSIVE_WRITE:
+                raise  # the answer of a conditional write: another writer was first
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             error, cause = StorageError(
                 f"{operation} failed for {self.display(path)}: {detail}. Check that the storage "
@@ -262,15 +306,28 @@ class StorageBackend:
             stream.write(data)
         return done[0]
 
+    def create_bytes(self, path: str, data: bytes) -> WrittenFile:
+        """Store a small file only if nothing is stored at `path` yet; FileExistsError if so.
+
+        Two writers racing for one path: exactly one succeeds where `atomic_create` is true
+        (a conditional write the store enforces). This generic version checks, then writes.
+        """
+        with self._storage_op(EXCLUSIVE_WRITE, path):
+            if self.fs.exists(self.full_path(path)):
+                raise FileExistsError(self.display(path))
+        return self.write_bytes(path, data)
+
     def makedirs(self, path: str) -> None:
         """Create a directory where the filesystem has them (a no-op on object stores)."""
 
     # -- reading ------------------------------------------------------------------------
 
-    def read_bytes(self, path: str) -> bytes:
-        """The whole file; FileNotFoundError if it does not exist."""
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The whole file (at most its first `limit` bytes); FileNotFoundError if missing."""
         with self._storage_op("read", path):
-            return self.fs.cat_file(self.full_path(path))
+            if limit is None:
+                return self.fs.cat_file(self.full_path(path))
+            return self.fs.cat_file(self.full_path(path), start=0, end=limit)
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[IO[bytes]]:
@@ -304,6 +361,30 @@ class StorageBackend:
     def _bucket_missing(self, not_found: FileNotFoundError) -> bool:
         """Whether a listing's FileNotFoundError means the bucket itself is missing."""
         return False
+
+    def walk(self, path: str = "") -> list[StoredFile]:
+        """Every file under `path` (recursively), with sizes and modification times."""
+        full = self.full_path(path)
+        with self._storage_op("list", path):
+            try:
+                self.fs.invalidate_cache(full)
+                found = self.fs.find(full, detail=True)
+            except FileNotFoundError:
+                return []
+        prefix = f"{self.root}/" if self.root else ""
+        return sorted(
+            (StoredFile(name.removeprefix(prefix), int(info.get("size") or 0), info_mtime(info))
+             for name, info in found.items() if info.get("type", "file") != "directory"),
+            key=lambda f: f.path,
+        )
+
+    def incomplete_uploads(self, path: str = "") -> list[IncompleteUpload]:
+        """Multipart uploads started under `path` and never completed (none where the store
+        has no such thing); `statereg gc` aborts the abandoned ones."""
+        return []
+
+    def abort_upload(self, upload: IncompleteUpload) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
 
     # -- deleting -----------------------------------------------------------------------
 

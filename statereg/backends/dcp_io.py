@@ -14,20 +14,24 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import posixpath
 import queue
 import threading
 import warnings
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
     FileSystemReader,
     FileSystemWriter,
+    _StorageInfo,
     _StorageReaderTransforms,
     _StorageWriterTransforms,
     _write_files_from_queue,
@@ -113,6 +117,41 @@ def load_dcp_metadata(data: bytes, source: str) -> Metadata:
     return metadata
 
 
+def normalize_path(path: str) -> str:
+    """Resolve '..' (items an incremental save references); never above the backend root."""
+    if "/../" not in f"/{path}":
+        return path
+    resolved = posixpath.normpath(path)
+    if resolved == ".." or resolved.startswith(("../", "/")):
+        raise CorruptCheckpointError(
+            f"DCP metadata refers to {path!r}, outside the checkpoint root; refusing to read it"
+        )
+    return resolved
+
+
+@dataclass(frozen=True)
+class Reusable:
+    """Where an earlier checkpoint stored an item, and the digest of its bytes."""
+
+    digest: str
+    path: str  # relative to the backend root
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+def item_key(index: MetadataIndex) -> str:
+    """A stable name for one stored item: its key and, for a shard, its offsets."""
+    return index.fqn if index.offset is None else f"{index.fqn}@{list(index.offset)}"
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """xxh3_128 of a tensor's bytes, with its dtype and shape (equal digests: equal tensors)."""
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}:" + \
+        xxhash.xxh3_128_hexdigest(data)
+
+
 class BackendFileSystem(FileSystemBase):
     """DCP's FileSystemBase over a StorageBackend; paths are relative to the backend root."""
 
@@ -122,7 +161,7 @@ class BackendFileSystem(FileSystemBase):
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        path = os.fspath(path)
+        path = normalize_path(os.fspath(path))
         if "r" in mode:
             with self.backend.open_read(path) as stream:
                 yield stream
@@ -164,7 +203,8 @@ class BackendWriter(FileSystemWriter):
 
     def __init__(self, backend: StorageBackend, path: str, recorder: FileRecorder,
                  thread_count: int = 1,
-                 compression: codec.CompressionSettings | None = None) -> None:
+                 compression: codec.CompressionSettings | None = None,
+                 reuse: dict[str, Reusable] | None = None) -> None:
         # sync_files=False: our streams are made durable by the backend before they are
         # reported (DCP's own fsync falls back to a machine-wide os.sync() on remote streams).
         super().__init__(path, sync_files=False, thread_count=thread_count, overwrite=False)
@@ -172,12 +212,47 @@ class BackendWriter(FileSystemWriter):
         self.path = path
         if compression is not None:
             self.transforms = CompressingTransforms(compression)
+        # Incremental saves: items whose digest matches `reuse` are referenced, not written.
+        self.reuse = reuse
+        self.digests: dict[str, str] = {}
+        self.referenced: set[str] = set()
+
+    def _reference_unchanged(self, planner: SavePlanner, file_queue: queue.Queue,
+                             ) -> list[WriteResult]:
+        """Take items equal to a reusable one out of the queue; results that point at them."""
+        assert self.reuse is not None
+        files = []
+        while not file_queue.empty():
+            files.append(file_queue.get_nowait())
+        results = []
+        for file_name, storage_key, items in files:
+            kept = []
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    kept.append(item)
+                    continue
+                key = item_key(item.index)
+                digest = self.digests[key] = tensor_digest(planner.resolve_data(item))
+                old = self.reuse.get(key)
+                if old is None or old.digest != digest:
+                    kept.append(item)
+                    continue
+                self.referenced.add(old.path)
+                relative = posixpath.relpath(old.path, self.path)
+                results.append(WriteResult(
+                    index=item.index, size_in_bytes=old.length,
+                    storage_data=_StorageInfo(relative, old.offset, old.length,
+                                              list(old.transforms) or None)))
+            file_queue.put((file_name, storage_key, kept))
+        return results
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future:
         # DCP's version runs extra writer threads whose exceptions are printed and lost, and
         # then commits metadata without their files; ours raises the first failure.
         results: queue.Queue = queue.Queue()
         errors: list[BaseException] = []
+        if self.reuse is not None:
+            results.put(self._reference_unchanged(planner, file_queue))
 
         def drain_queue() -> None:
             try:

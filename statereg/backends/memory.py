@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
-from statereg.backends.base import StorageBackend
+import threading
+
+from statereg.backends.base import EXCLUSIVE_WRITE, StorageBackend, WrittenFile
+
+# One store per process, so one lock makes "create if absent" atomic for every root in it.
+_CREATE_LOCK = threading.Lock()
 
 
 class MemoryBackend(StorageBackend):
     """Checkpoints held in this process's memory; gone when the process exits."""
 
     schemes = ("memory",)
+    atomic_create = True
+
+    def create_bytes(self, path: str, data: bytes) -> WrittenFile:
+        with _CREATE_LOCK:
+            with self._storage_op(EXCLUSIVE_WRITE, path):
+                if self.fs.exists(self.full_path(path)):
+                    raise FileExistsError(self.display(path))
+            return self.write_bytes(path, data)

@@ -75,7 +75,7 @@ def _check_destination(backend: StorageBackend, name: str) -> None:
 
 
 def _read_checked(backend: StorageBackend, name: str, record: FileRecord) -> bytes:
-    path = f"{name}/{record.path}"
+    path = f"{name}/{record.path}" if name else record.path
     try:
         data = backend.read_bytes(path)
     except FileNotFoundError:
@@ -118,9 +118,16 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                     if posixpath.basename(r.path) == METADATA_NAME}
         for record in records:  # fail before writing anything if the source is damaged
             _read_checked(src, name, record)
+        for record in source.manifest.references:
+            _read_checked(src, "", record)
     recorder = FileRecorder()
     codecs = {r.path: r.codec for r in records}
+    # Kept bytes keep their references to earlier files (incremental saves): copy those too,
+    # to the same place under the destination root. Rewritten directories hold every item.
+    references = source.manifest.references if recompress == "keep" else []
     with Progress(source.manifest.total_bytes, f"copy {name}") as progress:
+        for record in references:
+            dst.write_bytes(record.path, _read_checked(src, "", record))
         for record in records:
             if posixpath.dirname(record.path) in dcp_dirs and _is_dcp_file(record.path):
                 continue
@@ -135,7 +142,7 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                 if written.path.startswith(f"{name}/{directory}/"):
                     codecs[written.path.removeprefix(f"{name}/")] = file_codec(
                         written.path, recompress)
-    manifest = _retarget(source.manifest, name, recorder.files(), codecs)
+    manifest = _retarget(source.manifest, name, recorder.files(), codecs, references)
     dst.write_bytes(f"{name}/{MANIFEST_NAME}", manifest.to_json())
     latest = read_latest(dst)
     if latest is None or (step_of(latest) or -1) < manifest.step:
@@ -144,7 +151,7 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
 
 
 def _retarget(manifest: Manifest, name: str, written: list[WrittenFile],
-              codecs: dict[str, str]) -> Manifest:
+              codecs: dict[str, str], references: list[FileRecord]) -> Manifest:
     """The source manifest with the files as written at the destination."""
     files = []
     for item in written:
@@ -153,6 +160,7 @@ def _retarget(manifest: Manifest, name: str, written: list[WrittenFile],
                                 codec=codecs.get(path, "none")))
     data = manifest.model_dump(mode="json")
     data["files"] = [f.model_dump(mode="json") for f in files]
+    data["references"] = [r.model_dump(mode="json") for r in references]
     for comp_name, comp in data["components"].items():
         mine = [f for f in files if f.path.startswith(f"{comp_name}/")]
         comp.update(files=[f.path for f in mine], bytes=sum(f.size for f in mine))

@@ -40,6 +40,7 @@ def verify(url: str, options: dict[str, Any] | None = None) -> Manifest:
     """Recompute every file's size and checksum; raises CorruptCheckpointError on a difference."""
     backend, ckpt = open_checkpoint(url, options)
     verify_files(backend, ckpt.name, ckpt.manifest.files, "full")
+    verify_files(backend, "", ckpt.manifest.references, "full")
     return ckpt.manifest
 
 

@@ -9,22 +9,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from statereg.backends.base import StorageBackend, checksum_of, new_hasher
 from statereg.backends.dcp_io import BackendReader, SafeLoadPlanner
 from statereg.engine.commit import Committed
-from statereg.engine.jsonstate import decode_state
 from statereg.engine.plan import DCP_EXTRA_NAME, CheckpointPlan, ComponentPlan
 from statereg.engine.report import Progress, describe_rate
 from statereg.engine.world import World, attempt
 from statereg.errors import CheckpointMismatchError, CorruptCheckpointError, SpecError
+from statereg.formats.files import MODEL_FILE_FORMATS, decode_object, prepare_model_files
+from statereg.formats.tensors import dcp_tensor_metas
 from statereg.schemas.manifest import ComponentRecord, FileRecord
+from statereg.schemas.spec import Format
 from statereg.state.factory import Adapter
 from statereg.state.model import ModelAdapter, TensorMeta
 from statereg.state.objects import ObjectAdapter
@@ -36,6 +37,24 @@ VerifyMode = Literal["off", "fast", "full"]
 
 
 @dataclass(frozen=True)
+class KeyReport:
+    """How one model's keys met a foreign source's tensors (stored names, after prefix rules)."""
+
+    loaded: tuple[str, ...]
+    missing: tuple[str, ...]  # in the model, not in the source: they keep their values
+    unexpected: tuple[str, ...]  # in the source, not in the model: ignored
+
+    def __str__(self) -> str:
+        def some(keys: tuple[str, ...]) -> str:
+            return ", ".join(keys[:5]) + (f" (and {len(keys) - 5} more)" if len(keys) > 5 else "")
+
+        return (f"{len(self.loaded)} loaded, {len(self.missing)} missing"
+                + (f" [{some(self.missing)}]" if self.missing else "")
+                + f", {len(self.unexpected)} unexpected"
+                + (f" [{some(self.unexpected)}]" if self.unexpected else ""))
+
+
+@dataclass(frozen=True)
 class LoadResult:
     """What a load restored, and the bookkeeping saved with it."""
 
@@ -44,6 +63,9 @@ class LoadResult:
     extra: dict[str, Any]
     path: str
     components: tuple[str, ...]
+    # False for a foreign source (Hugging Face directory, plain DCP): no manifest, no checksums.
+    verified: bool = True
+    keys: dict[str, KeyReport] = field(default_factory=dict)  # foreign sources, per component
 
 
 def select_components(declared: Iterable[str], committed: Committed, include: list[str] | None,
@@ -67,11 +89,14 @@ def select_components(declared: Iterable[str], committed: Committed, include: li
 
 def verify_files(backend: StorageBackend, name: str, files: list[FileRecord],
                  mode: VerifyMode) -> None:
-    """fast: every file exists with its recorded size; full: also every checksum."""
+    """fast: every file exists with its recorded size; full: also every checksum.
+
+    Paths are relative to checkpoint `name`, or to the root when `name` is empty.
+    """
     if mode == "off":
         return
     for record in files:
-        path = f"{name}/{record.path}"
+        path = f"{name}/{record.path}" if name else record.path
         if mode == "full":
             try:
                 data = backend.read_bytes(path)
@@ -109,16 +134,11 @@ def check_checksum(where: str, record: FileRecord, data: bytes) -> None:
 
 
 def stored_tensor_metas(reader: BackendReader) -> dict[str, TensorMeta]:
-    metadata = reader.read_metadata()
-    return {
-        fqn: TensorMeta(tuple(md.size), md.properties.dtype)
-        for fqn, md in metadata.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-    }
+    return dcp_tensor_metas(reader.read_metadata())
 
 
-def _read_json(backend: StorageBackend, path: str) -> Any:
-    return decode_state(backend.read_bytes(path), backend.display(path))
+def _read_state(backend: StorageBackend, path: str, fmt: Format = "json") -> Any:
+    return decode_object(fmt, backend.read_bytes(path), backend.display(path))
 
 
 def _dcp_target(cplan: ComponentPlan, world: World) -> tuple[str, Any]:
@@ -142,7 +162,7 @@ def _prepare_dcp(backend: StorageBackend, ckpt: str, cplan: ComponentPlan,
         targets = adapter.load_targets(stored_tensor_metas(reader), record.meta, strict)
         return lambda: (load_into(targets), adapter.after_load(targets, record.meta))
     if isinstance(adapter, OptimizerAdapter):
-        extra = _read_json(backend, f"{ckpt}/{directory}/{DCP_EXTRA_NAME}")
+        extra = _read_state(backend, f"{ckpt}/{directory}/{DCP_EXTRA_NAME}")
         opt_targets = adapter.load_targets(stored_tensor_metas(reader), extra)
         return lambda: (load_into(opt_targets), adapter.apply(opt_targets, extra))
     if adapter is None:
@@ -159,7 +179,7 @@ def _read_per_rank(backend: StorageBackend, ckpt: str, cplan: ComponentPlan,
                    world: World) -> Any:
     """This rank's state of a per_rank component, applying the world-size-change policy."""
     if saved_size == world.size:
-        return _read_json(backend, f"{ckpt}/{cplan.json_file(world.rank)}")
+        return _read_state(backend, f"{ckpt}/{cplan.state_file(world.rank)}", cplan.format)
     policy = cplan.on_world_size_change
     if policy == "error":
         raise CheckpointMismatchError(
@@ -178,7 +198,8 @@ def _read_per_rank(backend: StorageBackend, ckpt: str, cplan: ComponentPlan,
             f"component {cplan.name!r} declares on_world_size_change: reshard, which needs its "
             "object at load time; pass it to CheckpointManager(...) before load()"
         )
-    states = [_read_json(backend, f"{ckpt}/{cplan.json_file(r)}") for r in range(saved_size)]
+    states = [_read_state(backend, f"{ckpt}/{cplan.state_file(r)}", cplan.format)
+              for r in range(saved_size)]
     return adapter.reshard(states, world.rank, world.size)
 
 
@@ -186,21 +207,25 @@ def _prepare(backend: StorageBackend, ckpt: str, cplan: ComponentPlan, record: C
              adapter: Adapter | None, strict: bool, saved_size: int, world: World,
              ) -> tuple[Callable[[], None], Any]:
     """Check one component and return (apply, state held for a not-yet-attached object)."""
+    cplan = replace(cplan, format=record.format)  # the manifest says how it was written
     if record.format == "dcp":
         return _prepare_dcp(backend, ckpt, cplan, record, adapter, strict, world), None
+    if record.kind == "model" and record.format in MODEL_FILE_FORMATS:
+        return prepare_model_files(backend, f"{ckpt}/{cplan.directory()}", cplan.name, record,
+                                   adapter, strict), None
     if record.sharing == "per_rank":
         state = _read_per_rank(backend, ckpt, cplan, record, adapter, saved_size, world)
         if state is None:
             return (lambda: None), None
     else:
         group_id = world.group_id(cplan.group) if cplan.sharing == "per_group" else None
-        path = cplan.json_file(world.rank, group_id)
+        path = cplan.state_file(world.rank, group_id)
         if path not in record.files:
             raise CheckpointMismatchError(
                 f"{backend.display(ckpt)}: component {cplan.name!r} has no {path} "
                 f"(it has {', '.join(record.files)}); were the process groups different?"
             )
-        state = _read_json(backend, f"{ckpt}/{path}")
+        state = _read_state(backend, f"{ckpt}/{path}", cplan.format)
     if adapter is None:
         return (lambda: None), state
     if isinstance(adapter, ObjectAdapter):
@@ -208,10 +233,43 @@ def _prepare(backend: StorageBackend, ckpt: str, cplan: ComponentPlan, record: C
     return (lambda: adapter.restore(state)), None
 
 
+def _check_group_layouts(backend: StorageBackend, committed: Committed, plan: CheckpointPlan,
+                         names: list[str], world: World) -> None:
+    """per_group copies are matched to groups by lowest rank: the set of groups must match.
+
+    A group may gain or lose members (DCP reshards within it), but a new group would find no
+    copy and a vanished one would leave its copy behind: both are refused, on every rank.
+    """
+    grouped = [plan.component(n) for n in names if plan.component(n).sharing == "per_group"]
+    if not grouped:
+        return
+    group_names = sorted({c.group for c in grouped})
+    mine, error = attempt(lambda: {g: world.group_id(g) for g in group_names})
+    world.agree(error, f"checking the process groups against {backend.display(committed.name)}")
+    everyone = world.all_gather(mine)
+    saved_size = committed.manifest.world_size
+    for cplan in grouped:
+        # Files are <component>/group_<lowest rank>/...
+        saved = sorted({p.split("/")[1] for p in committed.manifest.components[cplan.name].files})
+        current = sorted({ids[cplan.group] for ids in everyone})
+        if saved != current:
+            raise CheckpointMismatchError(
+                f"{backend.display(committed.name)}: component {cplan.name!r} (sharing per_group, "
+                f"group {cplan.group!r}) holds {len(saved)} group copies ({', '.join(saved)}) "
+                f"saved on {saved_size} ranks; this job has {len(current)} {cplan.group!r} "
+                f"groups ({', '.join(current)}) on {world.size} ranks (checkpoint={saved_size}, "
+                f"current={world.size}). A copy belongs to the group whose lowest rank saved "
+                "it: build the same groups (e.g. the same pipeline stages), or exclude the "
+                "component (see docs/distributed.md)"
+            )
+
+
 def _verify_share(backend: StorageBackend, committed: Committed, files: list[FileRecord],
                   mode: VerifyMode, world: World) -> None:
     """Each rank verifies every world.size-th file, so the work is spread over the ranks."""
     verify_files(backend, committed.name, files[world.rank::world.size], mode)
+    references = committed.manifest.references
+    verify_files(backend, "", references[world.rank::world.size], mode)
 
 
 def load_checkpoint(backend: StorageBackend, committed: Committed, plan: CheckpointPlan,
@@ -229,6 +287,7 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, plan: Checkpo
     files = [f for f in manifest.files if f.path in selected_files]
     _, error = attempt(_verify_share, backend, committed, files, verify, world)
     world.agree(error, f"verifying {backend.display(committed.name)}")
+    _check_group_layouts(backend, committed, plan, names, world)
     steps: list[tuple[str, Callable[[], None]]] = []
     pending: dict[str, Any] = {}
 

@@ -9,15 +9,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from statereg.engine.report import format_bytes, format_table
-from statereg.schemas.spec import Format, Kind, RegistrySpec, Sharing
+from statereg.schemas.spec import (
+    DEFAULT_MAX_SHARD_SIZE,
+    Format,
+    Kind,
+    RegistrySpec,
+    Sharing,
+    parse_size,
+)
 
 # Files inside a component directory.
 DCP_EXTRA_NAME = "extra.json"
-STATE_NAME = "state.json"
+STATE_STEM = "state"
+# format: torch keeps a model's full state dict in one file; safetensors use the HF names.
+TORCH_MODEL_NAME = "model.pt"
+SAFETENSORS_FILES = ("model-<i>-of-<n>.safetensors", "model.safetensors.index.json")
 
 
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.json"
+def _suffix(fmt: Format) -> str:
+    return ".pt" if fmt == "torch" else ".json"
+
+
+def rank_file(rank: int, fmt: Format = "json") -> str:
+    return f"rank_{rank:05d}{_suffix(fmt)}"
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,7 @@ class ComponentPlan:
     validate: bool = False
     on_world_size_change: str = "error"
     nbytes: int | None = None  # total tensor bytes, when a live object was measured
+    max_shard_size: int | None = None  # format safetensors: the largest file, in bytes
 
     def bytes_per_writer(self, world_size: int) -> int | None:
         """Bytes each writing rank writes: shards and replicas spread evenly over the ranks."""
@@ -46,9 +61,11 @@ class ComponentPlan:
         """Where this component's files go: its own directory, per group for per_group."""
         return f"{self.name}/{group_id}" if self.sharing == "per_group" else self.name
 
-    def json_file(self, rank: int, group_id: str | None = None) -> str:
-        """Path (relative to the checkpoint) of this component's JSON state as seen by `rank`."""
-        name = rank_file(rank) if self.sharing == "per_rank" else STATE_NAME
+    def state_file(self, rank: int, group_id: str | None = None) -> str:
+        """Path (relative to the checkpoint) of this component's json or torch state file, as
+        seen by `rank`: `state.json`, `rank_00003.json` (`.pt` for format torch)."""
+        name = (rank_file(rank, self.format) if self.sharing == "per_rank"
+                else STATE_STEM + _suffix(self.format))
         return f"{self.directory(group_id)}/{name}"
 
 
@@ -100,12 +117,19 @@ def _component_plan(name: str, spec: RegistrySpec, world_size: int, nbytes: int 
         files = [f"{where}/__<rank>_<n>.distcp", f"{where}/.metadata"]
         if comp.kind == "optimizer":
             files.append(f"{where}/{DCP_EXTRA_NAME}")
+    elif comp.kind == "model":
+        # safetensors / torch: every rank sends its shards, rank 0 writes full tensors.
+        writers = (0,) if sharing == "global" else every_rank
+        names = SAFETENSORS_FILES if fmt == "safetensors" else (TORCH_MODEL_NAME,)
+        files = [f"{name}/{file}" for file in names]
     elif sharing == "per_rank":
-        writers, files = every_rank, [f"{name}/rank_<rank>.json"]
+        writers, files = every_rank, [f"{name}/rank_<rank>{_suffix(fmt)}"]
     else:
-        writers, files = (0,), [f"{where}/{STATE_NAME}"]
+        writers, files = (0,), [f"{where}/{STATE_STEM}{_suffix(fmt)}"]
+    max_shard = comp.max_shard_size or DEFAULT_MAX_SHARD_SIZE
     return ComponentPlan(name, comp.kind, sharing, fmt, writers, tuple(files), comp.group,
-                         comp.validate_replicas, comp.on_world_size_change, nbytes)
+                         comp.validate_replicas, comp.on_world_size_change, nbytes,
+                         parse_size(max_shard) if fmt == "safetensors" else None)
 
 
 def compile_plan(spec: RegistrySpec, world_size: int = 1, storage: str | None = None,

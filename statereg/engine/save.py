@@ -20,19 +20,21 @@ from statereg.engine.commit import (
     Committed,
     apply_retention,
     checkpoint_name,
+    claim_checkpoint,
+    claim_scope,
     commit,
-    read_manifest_at,
+    latest_committed,
 )
+from statereg.engine.incremental import reference_records, reuse_index
 from statereg.engine.jsonstate import encode_state
 from statereg.engine.plan import DCP_EXTRA_NAME, CheckpointPlan, ComponentPlan
 from statereg.engine.report import Progress, describe_rate
 from statereg.engine.world import World, attempt
 from statereg.errors import (
-    CheckpointExistsError,
     CheckpointMismatchError,
-    CheckpointNotFoundError,
     SpecError,
 )
+from statereg.formats.files import MODEL_FILE_FORMATS, encode_object, write_model_files
 from statereg.schemas.manifest import FORMAT_VERSION, ComponentRecord, FileRecord, Manifest
 from statereg.schemas.spec import RegistrySpec, StorageSpec
 from statereg.state.factory import Adapter
@@ -93,8 +95,8 @@ def capture(plan: CheckpointPlan, adapters: dict[str, Adapter], world: World,
         elif cplan.format == "dcp":
             item.tensors = adapter.capture()
         else:
-            item.blobs[cplan.json_file(world.rank, group_id)] = encode_state(
-                adapter.capture(), where)
+            item.blobs[cplan.state_file(world.rank, group_id)] = encode_object(
+                cplan.format, adapter.capture(), where)
         captured.append(item)
     return captured
 
@@ -191,30 +193,43 @@ class StagingArea:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._buffers.values())
 
-    def stage(self, captured: list[CapturedComponent]) -> list[CapturedComponent]:
+    def stage(self, captured: list[CapturedComponent], stream: Any = None,
+              ) -> list[CapturedComponent]:
+        """The components with every tensor copied into its reused buffer.
+
+        `stream`: the CUDA stream to copy on. Staging on a background thread passes the
+        training loop's stream, taken when save() was called, so the copies follow the
+        loop's work on the device; None copies on the current stream.
+        """
         staged = []
-        for item in captured:
-            if item.tensors is None:
-                staged.append(item)
-                continue
-            copies: dict[str, Any] = {}
-            for key, tensor in item.tensors.items():
-                if not isinstance(tensor, torch.Tensor):
-                    copies[key] = tensor
+        with torch.cuda.stream(stream):
+            for item in captured:
+                if item.tensors is None:
+                    staged.append(item)
                     continue
-                slot = (item.plan.name, key)
-                local = getattr(tensor, "_local_tensor", tensor)
-                buf = self._buffers.get(slot)
-                if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-                    buf = torch.empty(local.shape, dtype=local.dtype, device="cpu",
-                                      pin_memory=self._pin)
-                    self._buffers[slot] = buf
-                buf.copy_(local.detach(), non_blocking=self._pin)
-                copies[key] = _like(tensor, buf)
+                copies: dict[str, Any] = {}
+                for key, tensor in item.tensors.items():
+                    if not isinstance(tensor, torch.Tensor):
+                        copies[key] = tensor
+                        continue
+                    slot = (item.plan.name, key)
+                    local = getattr(tensor, "_local_tensor", tensor)
+                    buf = self._buffers.get(slot)
+                    if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+                        buf = torch.empty(local.shape, dtype=local.dtype, device="cpu",
+                                          pin_memory=self._pin)
+                        self._buffers[slot] = buf
+                    buf.copy_(local.detach(), non_blocking=self._pin)
+                    copies[key] = _like(tensor, buf)
+                staged.append(replace(item, tensors=copies))
             if self._pin:
-                torch.cuda.synchronize()
-            staged.append(replace(item, tensors=copies))
+                torch.cuda.current_stream().synchronize()
         return staged
+
+
+def loop_stream() -> Any:
+    """The calling thread's current CUDA stream, or None where CUDA is not in use."""
+    return torch.cuda.current_stream() if torch.cuda.is_initialized() else None
 
 
 def redacted_spec(spec: RegistrySpec) -> dict[str, Any]:
@@ -242,18 +257,9 @@ def check_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _prepare_directory(backend: StorageBackend, name: str) -> None:
-    """Refuse a committed step; clear leftovers of an interrupted save of the same step."""
-    try:
-        read_manifest_at(backend, name)
-    except CheckpointNotFoundError:
-        if backend.list_dir(name):
-            logger.warning("removing leftovers of an interrupted save in %s", backend.display(name))
-            backend.remove_tree(name)
-        return
-    raise CheckpointExistsError(
-        f"{backend.display(name)} is already a committed checkpoint; save a different step, "
-        "or delete it first (statereg never overwrites a committed checkpoint)"
-    )
+    """Refuse a committed step, or one another live save holds; claim the directory for this
+    save and clear leftovers of an interrupted save of the same step (see commit.py)."""
+    claim_checkpoint(backend, name)
 
 
 def compression_settings(storage: StorageSpec) -> CompressionSettings | None:
@@ -272,17 +278,37 @@ def file_codec(path: str, settings: CompressionSettings | None) -> str:
     return "zstd+planes" if settings.float_aware else "zstd"
 
 
+@dataclass
+class IncrementalState:
+    """One rank's view of an incremental save: what it may reference, what it did reference."""
+
+    previous: Committed | None
+    digests: dict[str, str] = field(default_factory=dict)
+    referenced: set[str] = field(default_factory=set)
+
+
 def write_components(backend: StorageBackend, name: str, captured: list[CapturedComponent],
-                     storage: StorageSpec, progress: Progress) -> list[WrittenFile]:
+                     storage: StorageSpec, progress: Progress,
+                     incremental: IncrementalState | None = None) -> list[WrittenFile]:
     """Write this rank's files of every component; returns them relative to `name`."""
     recorder = FileRecorder()
     compression = compression_settings(storage)
     for item in captured:
-        if item.tensors is not None:
+        if item.tensors is not None and item.plan.format in MODEL_FILE_FORMATS:
+            write_model_files(backend, f"{name}/{item.dcp_dir}", item.plan.format, item.tensors,
+                              item.dcp_group, item.plan.max_shard_size, recorder.add)
+        elif item.tensors is not None:
+            reuse = (reuse_index(backend, incremental.previous, item.dcp_dir)
+                     if incremental is not None else None)
             writer = BackendWriter(backend, f"{name}/{item.dcp_dir}", recorder,
-                                   thread_count=storage.io_threads, compression=compression)
+                                   thread_count=storage.io_threads, compression=compression,
+                                   reuse=reuse)
             dcp.save(item.tensors, storage_writer=writer, process_group=item.dcp_group,
                      no_dist=item.dcp_group is None)
+            if incremental is not None:
+                incremental.digests.update(
+                    {f"{item.dcp_dir}/{key}": d for key, d in writer.digests.items()})
+                incremental.referenced |= writer.referenced
         for path, data in item.blobs.items():
             recorder.add(backend.write_bytes(f"{name}/{path}", data))
         progress.update(item.tensor_bytes + sum(len(b) for b in item.blobs.values()))
@@ -328,8 +354,16 @@ def save_checkpoint(backend: StorageBackend, spec: RegistrySpec, captured: list[
                     world: World) -> Committed:
     """Write, commit (rank 0, after every rank reported its files) and apply retention.
 
-    Any rank's failure is raised on every rank, and then nothing is committed.
+    Any rank's failure is raised on every rank, and then nothing is committed (and the
+    directory's claim is released, so the same step can be saved again at once).
     """
+    with claim_scope():
+        return _save_checkpoint(backend, spec, captured, step, tokens_seen, extra, world)
+
+
+def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
+                     captured: list[CapturedComponent], step: int, tokens_seen: int | None,
+                     extra: dict[str, Any], world: World) -> Committed:
     started = time.perf_counter()
     name = checkpoint_name(step)
     error = None
@@ -337,18 +371,27 @@ def save_checkpoint(backend: StorageBackend, spec: RegistrySpec, captured: list[
         _, error = attempt(_prepare_directory, backend, name)
     world.agree(error, f"save of {name}")
     total = sum(c.tensor_bytes + sum(len(b) for b in c.blobs.values()) for c in captured)
+    incremental = (IncrementalState(latest_committed(backend))
+                   if spec.save.incremental else None)
     with Progress(total, f"save {name}") as progress:
         files, error = attempt(write_components, backend, name, captured, spec.storage,
-                                progress)
+                                progress, incremental)
     world.agree(error, f"writing {backend.display(name)}")
-    reports = world.all_gather(files)
+    reports = world.all_gather((files, incremental and (incremental.digests,
+                                                        incremental.referenced)))
     committed: Committed | None = None
     deleted: list[str] = []
     if world.rank == 0:
-        every_file = sorted({f.path: f for rank in reports for f in rank}.values(),
+        every_file = sorted({f.path: f for rank, _ in reports for f in rank}.values(),
                             key=lambda f: f.path)
         manifest = build_manifest(spec, captured, every_file, step, tokens_seen, extra,
                                   world.size)
+        if incremental is not None:
+            referenced = {path for _, (_, paths) in reports for path in paths}
+            manifest = manifest.model_copy(update={
+                "references": reference_records(incremental.previous, referenced),
+                "digests": {k: v for _, (digests, _) in reports for k, v in digests.items()},
+            })
         _, error = attempt(commit, backend, name, manifest)
         committed = Committed(name, manifest)
     world.agree(error, f"committing {backend.display(name)}")

@@ -12,12 +12,13 @@ from statereg.errors import ManifestError
 from statereg.schemas.spec import Format, Kind, Sharing
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = "1.1"  # 1.1: FileRecord.codec
+FORMAT_VERSION = "1.1"  # 1.1: FileRecord.codec, references, digests
 # A manifest lists files and small metadata; anything larger is not one we wrote.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
 _CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
+_CHECKPOINT_DIR = re.compile(r"^step_\d{8,}$")
 
 
 def check_relative_path(path: str) -> str:
@@ -84,6 +85,25 @@ class Manifest(_Record):
     spec: dict[str, Any] = Field(description="The declaration used, storage options redacted.")
     components: dict[str, ComponentRecord]
     files: list[FileRecord]
+    references: list[FileRecord] = Field(
+        default_factory=list,
+        description="Incremental saves: files of earlier checkpoints this one reads unchanged "
+        "items from; paths relative to the root (e.g. 'step_00000100/model/__0_0.distcp').",
+    )
+    digests: dict[str, str] = Field(
+        default_factory=dict,
+        description="Incremental saves: '<dcp dir>/<item>' -> dtype, shape and xxh3_128 of "
+        "each tensor item, so a later save can reference unchanged ones.",
+    )
+
+    @field_validator("references")
+    @classmethod
+    def _references_name_checkpoints(cls, value: list[FileRecord]) -> list[FileRecord]:
+        for record in value:
+            if not _CHECKPOINT_DIR.match(record.path.split("/", 1)[0]) or "/" not in record.path:
+                raise ValueError(f"reference {record.path!r} must lie in a checkpoint directory "
+                                 "of the same root (step_NNNNNNNN/...)")
+        return value
 
     @field_validator("format_version")
     @classmethod
@@ -106,6 +126,11 @@ class Manifest(_Record):
     def total_bytes(self) -> int:
         """Bytes of all files of the checkpoint."""
         return sum(f.size for f in self.files)
+
+    def root_files(self, name: str) -> list[FileRecord]:
+        """Every file this checkpoint reads, with paths relative to the root."""
+        own = [f.model_copy(update={"path": f"{name}/{f.path}"}) for f in self.files]
+        return own + list(self.references)
 
 
 def parse_manifest(data: bytes, source: str) -> Manifest:

@@ -10,7 +10,7 @@ from pydantic_core import PydanticCustomError
 
 Kind = Literal["model", "optimizer", "scheduler", "dataloader", "rng", "custom"]
 Sharing = Literal["global", "replicated", "per_rank", "per_group", "sharded"]
-Format = Literal["dcp", "json"]
+Format = Literal["dcp", "safetensors", "torch", "json"]
 
 DEFAULT_SHARING: dict[str, Sharing] = {
     "model": "sharded",
@@ -29,6 +29,35 @@ DEFAULT_FORMAT: dict[str, Format] = {
     "custom": "json",
 }
 TENSOR_KINDS = frozenset({"model", "optimizer"})
+# Which kinds each format can hold (the docs' table in docs/formats.md says why).
+FORMAT_KINDS: dict[str, frozenset[str]] = {
+    "dcp": TENSOR_KINDS | {"custom"},
+    "safetensors": frozenset({"model"}),
+    "torch": frozenset({"model", "scheduler", "dataloader", "custom"}),
+    "json": frozenset({"scheduler", "dataloader", "rng", "custom"}),
+}
+# A model in format safetensors or torch is one full copy, gathered from these patterns.
+CONSOLIDATED_SHARING = frozenset({"sharded", "replicated", "global"})
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a size such as '2GB' (10^9, as Hugging Face counts) or '512MiB'."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"size {value} must be at least 1 byte")
+        return value
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(f"size {value!r} is not a size; write e.g. 2GB, 500MB, 512MiB or bytes")
+    size = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").upper()])
+    if size < 1:
+        raise ValueError(f"size {value!r} must be at least 1 byte")
+    return size
 
 # Component names become directory names on storage, so keep them portable.
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
@@ -82,7 +111,19 @@ class ComponentSpec(_Declared):
     )
     format: Format | None = Field(
         default=None,
-        description="Serialization format (default: dcp for model/optimizer, json otherwise).",
+        description="Serialization format (default: dcp for model/optimizer, json otherwise). "
+        "safetensors: a model as a Hugging Face safetensors directory; torch: one torch.save "
+        "file, loaded with weights_only=True (see docs/formats.md).",
+    )
+    max_shard_size: int | str | None = Field(
+        default=None,
+        description="For format: safetensors, the largest file (bytes or e.g. '2GB'; default "
+        f"{DEFAULT_MAX_SHARD_SIZE}); a larger tensor gets a file of its own.",
+    )
+    trainable_only: bool = Field(
+        default=False,
+        description="For a model: save only parameters with requires_grad (adapters, LoRA); "
+        "loading restores them and leaves the frozen base untouched.",
     )
     prefix: PrefixSpec | None = Field(default=None, description="Key-prefix rules (model only).")
     required: bool = Field(
@@ -116,10 +157,21 @@ class ComponentSpec(_Declared):
             raise ValueError(f"'prefix' applies to model and optimizer components, not {self.kind}")
         if self.model is not None and self.kind != "optimizer":
             raise ValueError("'model' applies to optimizer components only")
-        if self.format == "dcp" and self.kind not in TENSOR_KINDS | {"custom"}:
-            raise ValueError(f"format 'dcp' is for tensor state; use 'json' for {self.kind}")
-        if self.format == "json" and self.kind in TENSOR_KINDS:
-            raise ValueError(f"format 'json' cannot hold {self.kind} tensors; use 'dcp'")
+        if self.format is not None and self.kind not in FORMAT_KINDS[self.format]:
+            fits = [f for f, kinds in FORMAT_KINDS.items() if self.kind in kinds]
+            held = "tensors" if self.kind in TENSOR_KINDS else "state"
+            raise ValueError(f"format {self.format!r} cannot hold {self.kind} {held}; use "
+                             f"{' or '.join(map(repr, fits))}")
+        if (self.kind == "model" and self.resolved_format in ("safetensors", "torch")
+                and self.resolved_sharing not in CONSOLIDATED_SHARING):
+            raise ValueError(f"format {self.format!r} holds one full copy of the model: use "
+                             "sharing sharded, replicated or global")
+        if self.max_shard_size is not None:
+            if self.resolved_format != "safetensors":
+                raise ValueError("'max_shard_size' applies to format 'safetensors' only")
+            parse_size(self.max_shard_size)
+        if self.trainable_only and self.kind != "model":
+            raise ValueError("'trainable_only' applies to model components only")
         if self.resolved_sharing == "per_group" and not self.group:
             raise ValueError("sharing 'per_group' needs 'group': the name of the process group")
         if self.validate_replicas and self.resolved_sharing != "replicated":
@@ -217,8 +269,26 @@ class SaveSpec(_Declared):
         "are copied to reusable host buffers and a background thread writes and commits; "
         "pinned: the same with page-locked buffers (faster GPU->host copies; CUDA only).",
     )
+    early_return: bool = Field(
+        default=False,
+        description="With async thread or pinned: save() returns before the copy to host "
+        "buffers is done; the copy runs in the background, overlapping forward and backward. "
+        "The loop must call wait_staged() on what save() returned (or mgr.wait_staged()) "
+        "before it next changes parameters or optimizer state, e.g. before optimizer.step().",
+    )
+    incremental: bool = Field(
+        default=False,
+        description="Reference tensors unchanged since the previous checkpoint instead of "
+        "writing them again (a frozen base is written once); retention keeps referenced files.",
+    )
     keep_last: int | None = Field(
         default=None, ge=1, description="Keep the newest N checkpoints (default: keep all)."
+    )
+    keep_every: int | None = Field(
+        default=None, ge=1, description="Also keep every checkpoint whose step is a multiple of N."
+    )
+    keep_best: KeepBestSpec | None = Field(
+        default=None, description="Also keep the best checkpoints by a metric in `extra`."
     )
 
     @field_validator("async_mode", mode="before")
@@ -226,12 +296,12 @@ class SaveSpec(_Declared):
     def _yaml_off_is_false(cls, value: Any) -> Any:
         # YAML 1.1 reads an unquoted `off` as the boolean false.
         return "off" if value is False else value
-    keep_every: int | None = Field(
-        default=None, ge=1, description="Also keep every checkpoint whose step is a multiple of N."
-    )
-    keep_best: KeepBestSpec | None = Field(
-        default=None, description="Also keep the best checkpoints by a metric in `extra`."
-    )
+
+    @model_validator(mode="after")
+    def _early_return_needs_async(self) -> SaveSpec:
+        if self.early_return and self.async_mode == "off":
+            raise ValueError("'early_return' needs 'async: thread' or 'async: pinned'")
+        return self
 
 
 class ProfileSpec(_Declared):

@@ -45,7 +45,8 @@ def build_adapters(spec: RegistrySpec, objects: dict[str, Any]) -> dict[str, Ada
     adapters: dict[str, Adapter] = {}
     for name, comp in spec.components.items():
         if comp.kind == "model" and name in objects:
-            adapters[name] = ModelAdapter(name, objects[name], comp.prefix)
+            adapters[name] = ModelAdapter(name, objects[name], comp.prefix,
+                                          comp.trainable_only)
     for name, comp in spec.components.items():
         if comp.kind == "rng":
             adapters[name] = RNGAdapter(name)

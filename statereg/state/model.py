@@ -66,7 +66,8 @@ class ModelAdapter:
 
     kind = "model"
 
-    def __init__(self, name: str, module: nn.Module, prefix: PrefixSpec | None) -> None:
+    def __init__(self, name: str, module: nn.Module, prefix: PrefixSpec | None,
+                 trainable_only: bool = False) -> None:
         if not isinstance(module, nn.Module):
             raise SpecError(
                 f"component {name!r} is declared kind 'model' but got {type(module).__name__}; "
@@ -75,6 +76,8 @@ class ModelAdapter:
         self.name = name
         self.module = module
         self.prefix = prefix
+        # Adapters / LoRA: only parameters with requires_grad are saved and loaded.
+        self.trainable_only = trainable_only
 
     @property
     def live_module(self) -> nn.Module:
@@ -89,7 +92,11 @@ class ModelAdapter:
         first_by_identity: dict[int, str] = {}
         module = self.live_module
         identities = _identities(module)
+        trainable = ({id(p) for p in module.parameters() if p.requires_grad}
+                     if self.trainable_only else None)
         for key, tensor in module.state_dict().items():
+            if trainable is not None and identities.get(key) not in trainable:
+                continue
             stored = self.stored_name(key)
             if stored in tensors or stored in aliases:
                 raise SpecError(
@@ -110,22 +117,35 @@ class ModelAdapter:
         tensors, aliases = self._live_tensors()
         return tensors, {"aliases": aliases} if aliases else {}
 
-    def load_targets(self, stored: dict[str, TensorMeta], meta: dict, strict: bool,
-                     ) -> dict[str, torch.Tensor]:
-        """The live tensors to load into, after checking every key, shape and dtype.
+    def key_differences(self, stored: dict[str, TensorMeta], meta: dict,
+                        ) -> tuple[list[str], list[str]]:
+        """(missing, unexpected): live keys the checkpoint lacks, stored names the model lacks.
 
-        Raises CheckpointMismatchError before anything is modified.
+        A stored tensor under a name that is tied to another in the live model is expected.
         """
-        tensors, _ = self._live_tensors()
+        tensors, live_aliases = self._live_tensors()
         saved_aliases = set(meta.get("aliases", {}))
         missing = sorted(k for k in tensors if k not in stored and k not in saved_aliases)
-        unexpected = sorted(k for k in stored if k not in tensors)
+        unexpected = sorted(k for k in stored if k not in tensors and k not in live_aliases)
+        return missing, unexpected
+
+    def load_targets(self, stored: dict[str, TensorMeta], meta: dict, strict: bool,
+                     cast: bool = False) -> dict[str, torch.Tensor]:
+        """The live tensors to load into, after checking every key, shape and dtype.
+
+        `cast` lets floating-point tensors load into another floating dtype (an imported
+        bf16 Hugging Face checkpoint into a float32 model). Raises CheckpointMismatchError
+        before anything is modified.
+        """
+        tensors, _ = self._live_tensors()
+        missing, unexpected = self.key_differences(stored, meta)
         shape, dtype = [], []
         for key in sorted(set(tensors) & set(stored)):
             live, saved = tensors[key], stored[key]
+            castable = cast and live.dtype.is_floating_point and saved.dtype.is_floating_point
             if tuple(live.shape) != saved.shape:
                 shape.append(f"{key} (checkpoint {list(saved.shape)}, model {list(live.shape)})")
-            elif live.dtype != saved.dtype:
+            elif live.dtype != saved.dtype and not castable:
                 dtype.append(f"{key} (checkpoint {saved.dtype}, model {live.dtype})")
         problems = {"shape mismatch": shape, "dtype mismatch": dtype}
         if strict:

@@ -83,8 +83,9 @@ def test_a_server_lost_before_the_manifest_keeps_the_last_checkpoint(
         patch.setattr(statereg.engine.save, "commit", server_dies_then_commit)
         with pytest.raises(statereg.StorageError) as failed:
             mgr.save(step=2)
+    # The commit's first request fails: the check that this save still holds its claim.
     assert str(failed.value).startswith(
-        f"write failed for {remote_store.url}/step_00000002/manifest.json:")
+        f"list failed for {remote_store.url}/step_00000002:")
 
     proxy.up()
     written = remote_store.files()

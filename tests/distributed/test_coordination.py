@@ -1,10 +1,12 @@
 """Coordination on many ranks: disagreement fails fast, one rank's failure fails every rank,
-nothing is committed, and async saves commit the state as of save()."""
+nothing is committed, and async saves commit the state as of save() (with early_return, once
+the loop waited for wait_staged() before changing it), on local disk and on an object store."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,8 +35,8 @@ class FlakyDiskBackend(LocalBackend):
         return super().open_write(path, on_done)
 
 
-def _spec(url: str, **save: object) -> dict:
-    return {"storage": {"url": url},
+def _spec(url: str, options: dict[str, Any] | None = None, **save: object) -> dict:
+    return {"storage": {"url": url, "options": options or {}},
             "components": {"model": {"kind": "model"}, "rng": {"kind": "rng"}},
             "save": save}
 
@@ -91,25 +93,68 @@ def test_a_rank_failing_mid_write_fails_every_rank_and_commits_nothing(tmp_path:
     run_ranks(2, one_rank_fails_mid_write, tmp_path, tmp_path / "ckpt")
 
 
-def async_save_keeps_pre_update_values(rank: int, world: int, root: Path) -> None:
+def async_save_keeps_pre_update_values(rank: int, world: int, url: str, options: dict,
+                                       save: dict) -> None:
     torch.manual_seed(0)
     model = nn.Linear(256, 256)
-    mgr = statereg.CheckpointManager(_spec(str(root), **{"async": "thread"}), model=model)
+    mgr = statereg.CheckpointManager(_spec(url, options, **save), model=model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for step in (1, 2):
-        mgr.save(step=step)
+        handle = mgr.save(step=step)
+        assert handle == f"{url}/step_{step:08d}"  # still the URL, as a str
+        handle.wait_staged()  # early_return: the copy is done; otherwise returns at once
         with torch.no_grad():  # the loop goes on at once, mutating weights in place
             model.weight.mul_(-3.0)
             model.bias.zero_()
         mgr.wait()
         fresh = nn.Linear(256, 256)
-        statereg.CheckpointManager(_spec(str(root)), model=fresh).load(step=step)
+        statereg.CheckpointManager(_spec(url, options), model=fresh).load(step=step)
         for key, value in before.items():
             assert torch.equal(fresh.state_dict()[key], value), (step, key)
         before = {k: v.clone() for k, v in model.state_dict().items()}
     mgr.close()
 
 
-def test_async_save_commits_the_state_as_of_save_on_every_rank(tmp_path: Path) -> None:
-    run_ranks(2, async_save_keeps_pre_update_values, tmp_path, tmp_path / "ckpt")
-    statereg.verify(str(tmp_path / "ckpt" / "step_00000002"))
+@pytest.mark.parametrize(("store", "save"), [
+    ("local", {"async": "thread"}),
+    ("s3", {"async": "thread"}),
+    ("local", {"async": "thread", "early_return": True}),
+], indirect=["store"], ids=["local-thread", "s3-thread", "local-early_return"])
+def test_async_save_commits_the_state_as_of_save_on_every_rank(store, save: dict,
+                                                               tmp_path: Path) -> None:
+    run_ranks(2, async_save_keeps_pre_update_values, tmp_path, store.url, store.options, save)
+    statereg.verify(f"{store.url}/step_00000002", store.options)
+
+
+def staging_failure_is_raised_later(rank: int, world: int, root: Path) -> None:
+    # Rank 1's weights have no data (meta device), so copying them to host buffers fails
+    # in the background, after save() has returned.
+    model = nn.Linear(64, 64, device="meta" if rank == 1 else "cpu")
+    spec = _spec(str(root), **{"async": "thread", "early_return": True})
+    mgr = statereg.CheckpointManager(spec, model=model)
+    # The failing rank raises its own error; the other names rank 1 and what failed.
+    failure = NotImplementedError if rank == 1 else statereg.StateregError
+    match = "Cannot copy out of meta tensor" if rank == 1 else "rank 1: NotImplementedError"
+
+    handle = mgr.save(step=1)
+    with pytest.raises(failure, match=match):
+        handle.wait_staged()
+    with pytest.raises(failure, match=match):
+        mgr.wait()
+    mgr.save(step=2)
+    with pytest.raises(failure, match=match):
+        mgr.save(step=3)  # raises the pending save's failure before it starts
+    assert mgr.list() == []
+    assert not (root / "latest").exists()
+
+    if rank == 1:
+        model.to_empty(device="cpu")
+    mgr.save(step=4)
+    mgr.wait()
+    assert [u.rsplit("/", 1)[-1] for u in mgr.list()] == ["step_00000004"]
+    mgr.close()
+
+
+def test_a_failure_of_background_staging_is_raised_by_wait_staged_wait_and_next_save(
+        tmp_path: Path) -> None:
+    run_ranks(2, staging_failure_is_raised_later, tmp_path, tmp_path / "ckpt")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,21 +38,29 @@ def _model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 64))  # data outweighs framing
 
 
-def _data_bytes(root: Path, component: str) -> int:
-    return sum(p.stat().st_size for p in (root / "step_00000001" / component).glob("*.distcp"))
+def _data_bytes(url: str, options: dict[str, Any], component: str) -> int:
+    """Bytes of the component's DCP data files, as the manifest recorded them."""
+    manifest = statereg.read_manifest(f"{url}/step_00000001", options)
+    return sum(f.size for f in manifest.files
+               if f.path.startswith(f"{component}/") and f.path.endswith(".distcp"))
 
 
 # -- replicated ---------------------------------------------------------------------------
 
 
-def replicated_save(rank: int, world: int, root: Path, validate: bool, perturb: bool) -> None:
+def _replicated_spec(url: str, options: dict[str, Any], validate: bool = False) -> dict:
+    return {"storage": {"url": url, "options": options},
+            "components": {"model": {"kind": "model", "sharing": "replicated",
+                                     "validate": validate}}}
+
+
+def replicated_save(rank: int, world: int, url: str, options: dict, validate: bool,
+                    perturb: bool) -> None:
     model = _model(seed=0)  # identical on every rank, like DDP
     if perturb and rank == 1:
         with torch.no_grad():
             model[1].bias[3] += 1.0
-    spec = {"storage": {"url": str(root)},
-            "components": {"model": {"kind": "model", "sharing": "replicated",
-                                     "validate": validate}}}
+    spec = _replicated_spec(url, options, validate)
     mgr = statereg.CheckpointManager(spec, model=model)
     if not perturb:
         mgr.save(step=1)
@@ -61,30 +70,28 @@ def replicated_save(rank: int, world: int, root: Path, validate: bool, perturb: 
     assert "'1.bias'" in str(info.value) and "rank(s) [1]" in str(info.value)
 
 
-def test_replicated_model_is_written_once(tmp_path: Path) -> None:
-    single = tmp_path / "single"
-    spec = {"storage": {"url": str(single)},
-            "components": {"model": {"kind": "model", "sharing": "replicated"}}}
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_replicated_model_is_written_once(store, tmp_path: Path) -> None:
+    single = str(tmp_path / "single")
     model = _model(seed=0)
-    statereg.CheckpointManager(spec, model=model).save(step=1)
+    statereg.CheckpointManager(_replicated_spec(single, {}), model=model).save(step=1)
 
-    root = tmp_path / "ckpt"
-    run_ranks(2, replicated_save, tmp_path, root, True, False)
+    run_ranks(2, replicated_save, tmp_path, store.url, store.options, True, False)
     one_copy = sum(t.nbytes for t in model.state_dict().values())
-    written = _data_bytes(root, "model")
+    written = _data_bytes(store.url, store.options, "model")
     # Every tensor is written by exactly one rank: one copy plus a few KB of file framing.
     assert one_copy <= written < one_copy * 1.1, (one_copy, written)
-    assert written <= _data_bytes(single, "model") + 4096
+    assert written <= _data_bytes(single, {}, "model") + 4096
 
     loaded = _model(seed=7)
-    statereg.CheckpointManager(spec | {"storage": {"url": str(root)}}, model=loaded).load()
+    statereg.CheckpointManager(_replicated_spec(store.url, store.options), model=loaded).load()
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
 def test_replicas_that_differ_fail_the_save_naming_tensor_and_ranks(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    run_ranks(2, replicated_save, tmp_path, root, True, True)
+    run_ranks(2, replicated_save, tmp_path, str(root), {}, True, True)
     assert not (root / "step_00000001" / "manifest.json").exists()
 
 
@@ -159,9 +166,15 @@ def _group_spec(root: Path) -> dict:
             }}
 
 
-def _pipeline_groups(rank: int) -> dict:
-    first, second = dist.new_group([0, 1]), dist.new_group([2, 3])
-    return {"pp": first if rank < 2 else second}
+# Two pipeline stages of two ranks each; a group is named by its lowest rank on storage.
+SAVED_LAYOUT = [[0, 1], [2, 3]]
+
+
+def _pipeline(rank: int, layout: list[list[int]]) -> tuple[int, dict]:
+    """This rank's stage and its `pp` group; every rank creates every group, in order."""
+    groups = [dist.new_group(ranks) for ranks in layout]
+    stage = next(i for i, ranks in enumerate(layout) if rank in ranks)
+    return stage, {"pp": groups[stage]}
 
 
 def _scheduler(lr_steps: int) -> torch.optim.lr_scheduler.StepLR:
@@ -174,22 +187,22 @@ def _scheduler(lr_steps: int) -> torch.optim.lr_scheduler.StepLR:
 
 
 def per_group_save(rank: int, world: int, root: Path) -> None:
-    stage = rank // 2
+    stage, groups = _pipeline(rank, SAVED_LAYOUT)
     mgr = statereg.CheckpointManager(
-        _group_spec(root), groups=_pipeline_groups(rank), stage=_stage_model(stage),
+        _group_spec(root), groups=groups, stage=_stage_model(stage),
         stats=Counter(100 + stage), scheduler=_scheduler(5 if rank == 0 else 1))
     mgr.save(step=1)
 
 
-def per_group_load(rank: int, world: int, root: Path) -> None:
-    stage = rank // 2
+def per_group_load(rank: int, world: int, root: Path, layout: list[list[int]]) -> None:
+    stage, groups = _pipeline(rank, layout)
     model = _stage_model(stage)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
     stats, sched = Counter(), _scheduler(0)
-    mgr = statereg.CheckpointManager(_group_spec(root), groups=_pipeline_groups(rank),
-                                     stage=model, stats=stats, scheduler=sched)
+    mgr = statereg.CheckpointManager(_group_spec(root), groups=groups, stage=model,
+                                     stats=stats, scheduler=sched)
     mgr.load()
     expected = _stage_model(stage)
     for key, value in expected.state_dict().items():
@@ -198,12 +211,56 @@ def per_group_load(rank: int, world: int, root: Path) -> None:
     assert sched.state_dict() == _scheduler(5).state_dict()  # rank 0's copy, on every rank
 
 
-def test_per_group_copies_map_back_to_their_group_and_global_is_rank_0s(tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    run_ranks(4, per_group_save, tmp_path, root)
+def per_group_layout_changed(rank: int, world: int, root: Path,
+                             layout: list[list[int]]) -> None:
+    stage, groups = _pipeline(rank, layout)
+    sched = _scheduler(0)
+    mgr = statereg.CheckpointManager(_group_spec(root), groups=groups,
+                                     stage=_stage_model(stage), stats=Counter(),
+                                     scheduler=sched)
+    with pytest.raises(statereg.CheckpointMismatchError) as info:
+        mgr.load()
+    message = str(info.value)
+    assert "component 'stage'" in message and "group 'pp'" in message, message
+    assert "2 group copies (group_00000, group_00002) saved on 4 ranks" in message, message
+    assert "2 'pp' groups (group_00000, group_00001) on 2 ranks" in message, message
+    assert "checkpoint=4, current=2" in message, message
+    assert sched.state_dict() == _scheduler(0).state_dict()  # nothing was modified
+    # global state does not care: it loads without the per_group components.
+    mgr.load(exclude=["stage", "stats"])
+    assert sched.state_dict() == _scheduler(5).state_dict()
+
+
+@pytest.fixture(scope="module")
+def saved_in_two_groups_of_two(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("per-group")
+    run_ranks(4, per_group_save, tmp, tmp / "ckpt")
+    return tmp / "ckpt"
+
+
+def test_per_group_copies_map_back_to_their_group_and_global_is_rank_0s(
+        saved_in_two_groups_of_two: Path, tmp_path: Path) -> None:
+    root = saved_in_two_groups_of_two
     files = {f.path for f in statereg.read_manifest(str(root / "step_00000001")).files}
     assert {"stats/group_00000/state.json", "stats/group_00002/state.json",
             "stage/group_00000/.metadata", "stage/group_00002/.metadata",
             "scheduler/state.json"} <= files
     assert not any(p.startswith("scheduler/") and p != "scheduler/state.json" for p in files)
-    run_ranks(4, per_group_load, tmp_path, root)
+    run_ranks(4, per_group_load, tmp_path, root, SAVED_LAYOUT)
+
+
+def test_world_size_change_global_loads_anywhere_per_group_needs_the_same_groups(
+        saved_in_two_groups_of_two: Path, tmp_path: Path) -> None:
+    root = saved_in_two_groups_of_two
+    # 4 -> 3 ranks, the same groups by lowest rank: stage 1 lost a member, and its one rank
+    # loads the whole copy (DCP reshards within a group).
+    run_ranks(3, per_group_load, tmp_path, root, [[0, 1], [2]])
+    # 4 -> 2 ranks, one rank per stage: group_00001 has no copy and group_00002's would be
+    # left behind; the per_group components refuse, global state still loads.
+    run_ranks(2, per_group_layout_changed, tmp_path, root, [[0], [1]])
+    # 4 -> 1: one process, no process group at all.
+    sched = _scheduler(0)
+    mgr = statereg.CheckpointManager(_group_spec(root), stage=_stage_model(0), stats=Counter(),
+                                     scheduler=sched)
+    mgr.load(include=["scheduler"])
+    assert sched.state_dict() == _scheduler(5).state_dict()

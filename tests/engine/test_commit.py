@@ -89,7 +89,7 @@ def test_manifest_is_written_after_every_file_and_latest_after_the_manifest(mana
     files = [p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"]
     assert {p.relative_to(ckpt).as_posix() for p in files} == {
         f.path for f in statereg.read_manifest(url).files
-    }
+    } | {"manifest.sum"}  # the manifest's own checksum, written just before it
     assert all(p.stat().st_mtime_ns <= manifest_time for p in files)
     assert (root / "latest").stat().st_mtime_ns >= manifest_time
     assert (root / "latest").read_text() == "step_00000007"
@@ -241,7 +241,8 @@ def test_leftovers_of_an_interrupted_save_of_the_same_step_are_cleared(manager, 
     assert not (leftover / "stale.bin").exists()
     assert (leftover / "manifest.json").is_file()
     on_disk = {p.relative_to(leftover).as_posix() for p in leftover.rglob("*") if p.is_file()}
-    assert on_disk == {f.path for f in statereg.read_manifest(url).files} | {"manifest.json"}
+    assert on_disk == {f.path for f in statereg.read_manifest(url).files} | {
+        "manifest.json", "manifest.sum"}
     statereg.verify(url)
     assert mgr.load().step == 3
 

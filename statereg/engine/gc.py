@@ -1,0 +1,169 @@
+"""Find and remove what interrupted saves leave behind, never a committed checkpoint.
+
+Leftovers are: checkpoint directories without a manifest (a save or a retention delete that
+was interrupted), stray temporary files at the root (`latest.tmp-...`), and on S3 multipart
+uploads started under the root and never completed. A directory with a manifest.json is
+never touched, even one that does not parse (it may come from a newer statereg, or be worth
+salvaging by hand). Anything younger than the grace period is reported and kept, since a
+save may be writing it right now; a directory whose claim is live is kept whatever its age.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, replace
+
+from statereg.backends.base import IncompleteUpload, StorageBackend
+from statereg.engine.commit import (
+    claim_checkpoint,
+    claim_state,
+    list_committed,
+    read_claim,
+    read_claims,
+    read_manifest_at,
+    referenced_files,
+    step_of,
+)
+from statereg.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ManifestError,
+    StateregError,
+)
+from statereg.schemas.manifest import MANIFEST_NAME
+
+logger = logging.getLogger("statereg")
+
+DEFAULT_GRACE_S = 3600.0
+# `<name>.tmp-<pid>` or `<name>.tmp-<pid>-<random>`: local writes go through such a name.
+_TEMPORARY = re.compile(r"\.tmp-\d+(-[0-9a-f]+)?$")
+
+UNCOMMITTED = "uncommitted checkpoint"
+TEMPORARY = "temporary file"
+UPLOAD = "incomplete upload"
+DAMAGED = "unparsable manifest"
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """One thing gc found: what, where (relative to the root), how big and old, and what
+    happens to it (`delete` in a dry run; `deleted` after `--delete`; `keep: why`)."""
+
+    kind: str
+    path: str
+    size: int
+    age_s: float | None
+    action: str
+    upload: IncompleteUpload | None = None
+
+    @property
+    def deletable(self) -> bool:
+        return self.action in ("delete", "deleted")
+
+
+def _age(mtime: float | None, now: float) -> float | None:
+    return None if mtime is None else max(0.0, now - mtime)
+
+
+def _decide(age: float | None, grace_s: float) -> str:
+    if age is not None and age < grace_s:
+        return f"keep: younger than the grace period ({grace_s:.0f} s); a save may be writing it"
+    return "delete"
+
+
+def _directory(backend: StorageBackend, name: str, grace_s: float, now: float,
+               needed: set[str]) -> Leftover | None:
+    try:
+        read_manifest_at(backend, name, check=False)
+        return None  # committed: never touched
+    except CheckpointNotFoundError:
+        pass
+    except ManifestError as exc:
+        files = backend.walk(name)
+        return Leftover(DAMAGED, name, sum(f.size for f in files), None,
+                        f"keep: {MANIFEST_NAME} exists but does not parse ({exc}); gc never "
+                        "removes a directory with a manifest: inspect it by hand")
+    files = backend.walk(name)
+    if not files:
+        return None  # nothing stored (an object store has no empty directories)
+    times = [f.mtime for f in files if f.mtime is not None]
+    age = _age(max(times) if times else None, now)
+    action = _decide(age, grace_s)
+    held = sum(1 for f in files if f.path in needed)
+    if held:
+        action = (f"keep: {held} of its files are referenced by committed incremental "
+                  "checkpoints; retention removes the rest")
+    numbers = read_claims(backend, name)
+    if numbers:
+        live, why = claim_state(read_claim(backend, name, numbers[-1]), now)
+        if live:
+            action = f"keep: a save holds it ({why})"
+    return Leftover(UNCOMMITTED, name, sum(f.size for f in files), age, action)
+
+
+def find_leftovers(backend: StorageBackend, grace_s: float = DEFAULT_GRACE_S,
+                   now: float | None = None) -> list[Leftover]:
+    """Everything gc would remove under the root, and what it would keep and why."""
+    now = time.time() if now is None else now
+    found: list[Leftover] = []
+    stored = {f.path: f for f in backend.walk("") if "/" not in f.path}
+    needed = referenced_files(list_committed(backend))
+    for entry in backend.list_dir(""):
+        if step_of(entry) is not None:
+            leftover = _directory(backend, entry, grace_s, now, needed)
+            if leftover is not None:
+                found.append(leftover)
+        elif _TEMPORARY.search(entry) and entry in stored:
+            age = _age(stored[entry].mtime, now)
+            found.append(Leftover(TEMPORARY, entry, stored[entry].size, age,
+                                  _decide(age, grace_s)))
+    kept_dirs = {f.path for f in found if not f.deletable}
+    for upload in backend.incomplete_uploads(""):
+        top = upload.path.split("/", 1)[0]
+        age = _age(upload.initiated, now)
+        action = _decide(age, grace_s)
+        if top in kept_dirs:
+            action = f"keep: under {top}, which is kept"
+        found.append(Leftover(UPLOAD, upload.path, 0, age, action, upload))
+    return sorted(found, key=lambda f: (f.path, f.kind))
+
+
+def _remove(backend: StorageBackend, leftover: Leftover) -> Leftover:
+    if leftover.kind == UPLOAD and leftover.upload is not None:
+        backend.abort_upload(leftover.upload)
+    elif leftover.kind == TEMPORARY:
+        backend.remove_tree(leftover.path)
+    else:
+        # Claim the directory as a saver would: that refuses it if a save started meanwhile
+        # (its claim is live) or committed it meanwhile, and removes everything in it.
+        claim = claim_checkpoint(backend, leftover.path, purpose="gc")
+        try:
+            backend.remove_tree(leftover.path)  # the claim last of all
+        finally:
+            claim.release()
+    return replace(leftover, action="deleted")
+
+
+def collect_garbage(backend: StorageBackend, delete: bool = False,
+                    grace_s: float = DEFAULT_GRACE_S) -> list[Leftover]:
+    """Find leftovers; with `delete`, remove the deletable ones. Returns what was found,
+    each with the action taken (a dry run reports `delete` for what it would remove)."""
+    found = find_leftovers(backend, grace_s)
+    if not delete:
+        return found
+    done = []
+    # Directories before uploads under them: their claim refuses a save started meanwhile.
+    for leftover in sorted(found, key=lambda f: f.kind == UPLOAD):
+        if not leftover.deletable:
+            done.append(leftover)
+            continue
+        try:
+            done.append(_remove(backend, leftover))
+            logger.info("gc removed %s %s", leftover.kind, backend.display(leftover.path))
+        except CheckpointExistsError as exc:  # committed, or claimed, since it was listed
+            done.append(replace(leftover, action=f"keep: {exc}"))
+        except StateregError as exc:
+            done.append(replace(leftover, action=f"failed: {exc}"))
+    return sorted(done, key=lambda f: (f.path, f.kind))

@@ -1,0 +1,85 @@
+"""Components stored as whole files: the hooks engine.save and engine.load call.
+
+A model in format `safetensors` or `torch` is consolidated: every rank sends its shards, rank
+0 writes full tensors, and on load every rank takes its own slice. Small object state goes
+to one file per copy in format `json` or `torch`.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from statereg.backends.base import StorageBackend, WrittenFile
+from statereg.engine.jsonstate import decode_state, encode_state
+from statereg.engine.plan import TORCH_MODEL_NAME
+from statereg.errors import SpecError
+from statereg.formats.hf import SafetensorsDirectory, write_safetensors
+from statereg.formats.tensors import gather_full, tensor_meta
+from statereg.formats.torchfile import TorchFile, decode_torch, encode_torch
+from statereg.schemas.manifest import ComponentRecord
+from statereg.schemas.spec import DEFAULT_MAX_SHARD_SIZE, Format, parse_size
+from statereg.state.model import ModelAdapter
+
+# Model formats that hold full tensors in whole files (the others: dcp).
+MODEL_FILE_FORMATS = frozenset({"safetensors", "torch"})
+
+
+def encode_object(fmt: Format, state: Any, where: str) -> bytes:
+    """The bytes of an object's state in format json or torch."""
+    return encode_torch(state, where) if fmt == "torch" else encode_state(state, where)
+
+
+def decode_object(fmt: Format, data: bytes, where: str) -> Any:
+    return decode_torch(data, where) if fmt == "torch" else decode_state(data, where)
+
+
+def write_model_files(backend: StorageBackend, directory: str, fmt: Format,
+                      tensors: dict[str, torch.Tensor], group: Any, max_shard_size: int | None,
+                      on_written: Callable[[WrittenFile], None]) -> None:
+    """Write a model's full tensors under `directory` (collective over `group`, if any)."""
+    metas = {k: tensor_meta(t) for k, t in tensors.items()}
+    writes = group is None or dist.get_rank(group) == 0
+
+    def fetch(names: list[str]) -> dict[str, torch.Tensor] | None:
+        return gather_full(tensors, names, group)
+
+    if fmt == "safetensors":
+        limit = max_shard_size or parse_size(DEFAULT_MAX_SHARD_SIZE)
+        write_safetensors(backend, directory, metas, fetch, limit, on_written, writes)
+        return
+    full = fetch(list(metas))
+    if full is not None:
+        buffer = io.BytesIO()
+        torch.save(full, buffer)
+        on_written(backend.write_bytes(f"{directory}/{TORCH_MODEL_NAME}", buffer.getvalue()))
+
+
+def open_model_files(backend: StorageBackend, directory: str, fmt: Format,
+                     ) -> SafetensorsDirectory | TorchFile:
+    if fmt == "safetensors":
+        return SafetensorsDirectory(backend, directory)
+    return TorchFile(backend, f"{directory}/{TORCH_MODEL_NAME}")
+
+
+def prepare_model_files(backend: StorageBackend, directory: str, name: str,
+                        record: ComponentRecord, adapter: Any, strict: bool,
+                        ) -> Callable[[], None]:
+    """Check a model component's files against the live model; return the step that loads it."""
+    if not isinstance(adapter, ModelAdapter):
+        raise SpecError(
+            f"component {name!r} (format {record.format}) has no model to load into; pass it "
+            "to CheckpointManager(...) or exclude it"
+        )
+    source = open_model_files(backend, directory, record.format)
+    targets = adapter.load_targets(source.metas, record.meta, strict)
+
+    def apply() -> None:
+        source.load_into(targets)
+        adapter.after_load(targets, record.meta)
+
+    return apply

@@ -1,0 +1,271 @@
+"""What users call to move weights in and out of statereg.
+
+- `export_hf`: a statereg checkpoint's model -> a Hugging Face safetensors directory;
+- `load_model_from`: a Hugging Face directory or a plain DCP directory -> a live model;
+- `detect_foreign` / `load_foreign` / `describe_foreign`: what `mgr.load(path)` and
+  `statereg inspect` do with a directory that has no statereg manifest.
+
+Foreign sources carry no manifest and no checksums: loads from them say "not verified".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from statereg.backends.base import StorageBackend
+from statereg.backends.dcp_io import METADATA_NAME
+from statereg.backends.registry import open_backend, url_scheme
+from statereg.engine.inspect import open_checkpoint, split_checkpoint_url
+from statereg.engine.load import KeyReport, LoadResult
+from statereg.engine.plan import CheckpointPlan
+from statereg.engine.report import format_bytes, format_table
+from statereg.engine.world import World, attempt
+from statereg.errors import CheckpointMismatchError, CheckpointNotFoundError, SpecError
+from statereg.formats.files import open_model_files
+from statereg.formats.foreign import (
+    DCPDirectory,
+    check_component_names,
+    prepare_optimizer,
+)
+from statereg.formats.hf import (
+    INDEX_NAME,
+    SUFFIX,
+    SafetensorsDirectory,
+    cast_metas,
+    write_safetensors,
+)
+from statereg.formats.tensors import nbytes
+from statereg.schemas.spec import DEFAULT_MAX_SHARD_SIZE, PrefixSpec, parse_size
+from statereg.state.factory import Adapter
+from statereg.state.model import ModelAdapter
+from statereg.state.optimizer import OptimizerAdapter
+
+logger = logging.getLogger("statereg")
+
+ForeignKind = Literal["hf", "dcp"]
+FOREIGN_NOTE = "foreign, not verified (no statereg manifest: no sizes or checksums to check)"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+TensorSource = SafetensorsDirectory | DCPDirectory
+
+
+def detect_foreign(backend: StorageBackend, name: str) -> ForeignKind | None:
+    """'dcp' for a plain DCP directory, 'hf' for safetensors files, None otherwise."""
+    entries = backend.list_dir(name)
+    if METADATA_NAME in entries:
+        return "dcp"
+    if any(e.endswith(SUFFIX) or e == INDEX_NAME for e in entries):
+        return "hf"
+    return None
+
+
+def open_foreign(backend: StorageBackend, name: str, kind: ForeignKind, prefix: str = "",
+                 ) -> TensorSource:
+    if kind == "hf":
+        return SafetensorsDirectory(backend, name)
+    return DCPDirectory(backend, name, prefix)
+
+
+def prepare_model(source: TensorSource, adapter: ModelAdapter, strict: bool,
+                  ) -> tuple[Callable[[], None], KeyReport]:
+    """Check a model against a foreign source (floating dtypes are cast); nothing loads yet."""
+    targets = adapter.load_targets(source.metas, {}, strict, cast=True)
+    missing, unexpected = adapter.key_differences(source.metas, {})
+    report = KeyReport(tuple(sorted(targets)), tuple(missing), tuple(unexpected))
+    return (lambda: source.load_into(targets)), report
+
+
+def _open_directory(path: str | os.PathLike[str], options: dict[str, Any] | None,
+                    ) -> tuple[StorageBackend, str]:
+    root, name = split_checkpoint_url(os.fspath(path))
+    return open_backend(root, options), name
+
+
+def load_model_from(path: str | os.PathLike[str], model: nn.Module, *,
+                    prefix: PrefixSpec | dict[str, str] | None = None, strict: bool = True,
+                    options: dict[str, Any] | None = None) -> KeyReport:
+    """Load a Hugging Face safetensors directory (one file, or shards with an index) or a
+    plain DCP directory into `model`, e.g. to start a fine-tune.
+
+    `prefix` maps the model's keys to the source's names as a component's prefix rule does
+    (`{"add": "model."}` reads `model.*` of a `dcp.save({"model": ...})`). Strict by default:
+    a missing or unexpected key raises CheckpointMismatchError before anything changes;
+    with strict=False the matching keys load and the report names the others.
+    """
+    backend, name = _open_directory(path, options)
+    kind = detect_foreign(backend, name)
+    if kind is None:
+        raise CheckpointNotFoundError(
+            f"{backend.display(name)} holds neither .safetensors files nor a DCP .metadata; "
+            "a statereg checkpoint loads with CheckpointManager.load"
+        )
+    rule = PrefixSpec.model_validate(prefix) if isinstance(prefix, dict) else prefix
+    apply, report = prepare_model(open_foreign(backend, name, kind),
+                                  ModelAdapter("model", model, rule), strict)
+    with torch.no_grad():
+        apply()
+    logger.warning("loaded %s into the model: %s; %s", backend.display(name), report,
+                   FOREIGN_NOTE)
+    return report
+
+
+def _foreign_components(kind: ForeignKind, declared: dict[str, str], include: list[str] | None,
+                        exclude: list[str]) -> list[str]:
+    """The components a foreign load fills: the user names them (HF: the model by default)."""
+    if include is None and kind == "hf":
+        include = [n for n, k in declared.items() if k == "model" and n not in exclude]
+    if not include:
+        raise SpecError(
+            "load: a plain DCP checkpoint has no manifest saying what it holds; name the "
+            "components to load, e.g. include=['model', 'optimizer'] (each reads the items "
+            "under its name)"
+        )
+    chosen = [n for n in include if n not in exclude]
+    for name in chosen:
+        if name not in declared:
+            raise SpecError(f"load: {name!r} is not a declared component; declared: "
+                            f"{', '.join(declared)}")
+        allowed = ("model",) if kind == "hf" else ("model", "optimizer")
+        if declared[name] not in allowed:
+            raise SpecError(
+                f"load: component {name!r} is kind {declared[name]}; a "
+                f"{'Hugging Face directory' if kind == 'hf' else 'plain DCP checkpoint'} "
+                f"fills {' and '.join(allowed)} components only"
+            )
+    if kind == "hf" and len(chosen) != 1:
+        raise SpecError(f"load: a Hugging Face directory holds one model; choose one of "
+                        f"{chosen} with include=[...]")
+    return chosen
+
+
+def load_foreign(backend: StorageBackend, name: str, kind: ForeignKind, plan: CheckpointPlan,
+                 adapters: dict[str, Adapter], include: list[str] | None, exclude: list[str],
+                 world: World, strict: bool) -> LoadResult:
+    """Fill named components from a foreign directory, checking all of them before any loads."""
+    declared = {c.name: c.kind for c in plan.components}
+    names = _foreign_components(kind, declared, include, exclude)
+    steps: list[Callable[[], None]] = []
+    reports: dict[str, KeyReport] = {}
+
+    def prepare_all() -> None:
+        for comp in names:
+            adapter = adapters.get(comp)
+            if adapter is None:
+                raise SpecError(f"component {comp!r} has no object to load into; pass it to "
+                                "CheckpointManager(...) or leave it out of include")
+            source = open_foreign(backend, name, kind, "" if kind == "hf" else f"{comp}.")
+            if isinstance(source, DCPDirectory):
+                check_component_names(source, comp)
+            if isinstance(adapter, OptimizerAdapter) and isinstance(source, DCPDirectory):
+                steps.append(prepare_optimizer(source, comp, adapter))
+            elif isinstance(adapter, ModelAdapter):
+                apply, reports[comp] = prepare_model(source, adapter, strict)
+                steps.append(apply)
+
+    _, error = attempt(prepare_all)
+    world.agree(error, f"checking {backend.display(name)}")
+
+    def apply_all() -> None:
+        with torch.no_grad():
+            for step in steps:
+                step()
+
+    _, error = attempt(apply_all)
+    world.agree(error, f"loading {backend.display(name)}")
+    for comp, report in reports.items():
+        logger.warning("loaded %s into %r: %s; %s", backend.display(name), comp, report,
+                       FOREIGN_NOTE)
+    return LoadResult(step=0, tokens_seen=None, extra={}, path=backend.display(name),
+                      components=tuple(names), verified=False, keys=reports)
+
+
+def describe_foreign(url: str, options: dict[str, Any] | None = None) -> str:
+    """What `statereg inspect` prints for a directory without a statereg manifest."""
+    backend, name = _open_directory(url, options)
+    kind = detect_foreign(backend, name)
+    if kind is None:
+        raise CheckpointNotFoundError(
+            f"{backend.display(name)} has no manifest.json, no DCP .metadata and no "
+            ".safetensors files: it is not a checkpoint (an interrupted save leaves no "
+            "manifest; `statereg ls` lists the committed checkpoints)"
+        )
+    lines = [f"checkpoint:  {url}"]
+    if kind == "dcp":
+        source = DCPDirectory(backend, name)
+        lines.append(f"format:      plain torch.distributed.checkpoint; {FOREIGN_NOTE}")
+        rows = [("name", "tensors", "bytes", "other items")]
+        rows += [(top, str(n), format_bytes(size), str(other))
+                 for top, (n, size, other) in source.top_level.items()]
+        lines += ["", *format_table(rows), "",
+                  "load with: mgr.load(URL, include=[<names above>]) or "
+                  "statereg.load_model_from(URL, model, prefix={'add': '<name>.'})"]
+    else:
+        hf = SafetensorsDirectory(backend, name)
+        total = sum(nbytes(m) for m in hf.metas.values())
+        files = sorted(set(hf.file_of.values()))
+        lines += [f"format:      Hugging Face safetensors; {FOREIGN_NOTE}",
+                  f"total:       {len(hf.metas)} tensors in {len(files)} files, "
+                  f"{format_bytes(total)}",
+                  "load with: mgr.load(URL) or statereg.load_model_from(URL, model)"]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Export:
+    """What export_hf wrote."""
+
+    path: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int
+
+
+def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | None = None,
+              dtype: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+              config: str | os.PathLike[str] | None = None,
+              options: dict[str, Any] | None = None) -> Export:
+    """Write a checkpoint's model as a Hugging Face safetensors directory at `out_dir`.
+
+    Reads any of statereg's model formats, a file at a time (never the whole model at once
+    for dcp and safetensors). `dtype` ('bf16', 'fp16', 'fp32') converts floating tensors;
+    `config` is a config.json copied beside the weights. Tied weights are written once, under
+    the first name (transformers ties them again when it loads).
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise SpecError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    limit = parse_size(max_shard_size)
+    backend, ckpt = open_checkpoint(url, options)
+    models = [n for n, c in ckpt.manifest.components.items() if c.kind == "model"]
+    if component is None and len(models) != 1:
+        raise SpecError(f"{url} has {len(models) or 'no'} model components ({models}); "
+                        "choose one with --component")
+    name = component or models[0]
+    record = ckpt.manifest.components.get(name)
+    if record is None or record.kind != "model" or record.sharing == "per_group":
+        raise SpecError(f"{url}: {name!r} is not a model component saved once (models: "
+                        f"{models})")
+    directory = f"{ckpt.name}/{name}"
+    source = (DCPDirectory(backend, directory) if record.format == "dcp"
+              else open_model_files(backend, directory, record.format))
+    if not source.metas:
+        raise CheckpointMismatchError(f"{url}: component {name!r} holds no tensors")
+    out = os.fspath(out_dir)
+    same = url_scheme(out) == url_scheme(url)
+    target = open_backend(out, options if same else None)
+    written: list[str] = []
+    cast = DTYPES[dtype] if dtype else None
+    write_safetensors(target, "", source.metas, source.read, limit,
+                      lambda f: written.append(f.path), writes=True, dtype=cast)
+    if config is not None:
+        target.write_bytes("config.json", Path(config).read_bytes())
+        written.append("config.json")
+    size = sum(nbytes(m) for m in cast_metas(source.metas, cast).values())
+    return Export(target.display(), tuple(sorted(written)), len(source.metas), size)
