@@ -1,0 +1,1 @@
+"""The sections and helpers of benchmarks/suite.py (see docs/performance.md)."""
