@@ -206,6 +206,8 @@ class StorageBackend:
     schemes: ClassVar[tuple[str, ...]] = ()
     # Options a backend adds under the user's (e.g. no listing cache on shared stores).
     default_options: ClassVar[dict[str, Any]] = {}
+    # Files a rank writes and reads at once unless storage.io_threads says otherwise.
+    default_io_threads: ClassVar[int] = 2
     # Keyword arguments for each `pipe_file` (e.g. the multipart part size).
     upload_options: ClassVar[dict[str, Any]] = {}
     # The fsspec implementation's package and the statereg extra that installs it.

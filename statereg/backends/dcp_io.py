@@ -328,11 +328,12 @@ class _DecodingTransforms(_StorageReaderTransforms):
 class BackendReader(FileSystemReader):
     """DCP storage reader from `path` under the backend root, with safe metadata loading."""
 
-    def __init__(self, backend: StorageBackend, path: str, thread_count: int = 2) -> None:
+    def __init__(self, backend: StorageBackend, path: str, thread_count: int | None = None,
+                 ) -> None:
         super().__init__(path)
         self.fs = BackendFileSystem(backend)
         self.path = path
-        self.thread_count = thread_count
+        self.thread_count = thread_count or backend.default_io_threads
         self._backend = backend
         self._metadata_bytes: bytes | None = None
         self._metadata: Metadata | None = None

@@ -33,6 +33,8 @@ class GCSBackend(StorageBackend):
     # gcsfs's pipe_file sends one simple upload below this size and a resumable upload in
     # chunks of this size above it (GCS needs chunks in multiples of 256 KiB).
     upload_options = {"chunksize": 50 * 2**20}
+    # Each file is a round trip to the store: keep more of them in flight than on a disk.
+    default_io_threads = 8
 
     # An upload with ifGenerationMatch=0: GCS refuses it with 412 if the object exists, so
     # of two racing writers exactly one wins. (gcp-storage-emulator ignores the condition.)

@@ -43,6 +43,8 @@ class S3Backend(StorageBackend):
     # s3fs's pipe_file sends one PUT below two parts' worth of bytes and a concurrent multipart
     # upload above; this is s3fs's own default part size (S3 needs at least 5 MiB per part).
     upload_options = {"chunksize": 50 * 2**20}
+    # Each file is a round trip to the store: keep more of them in flight than on a disk.
+    default_io_threads = 8
     # PUT with If-None-Match: * (S3 since August 2024; MinIO, moto): the store refuses the
     # write with 412 if the key exists, so of two racing writers exactly one wins.
     atomic_create = True

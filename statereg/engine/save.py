@@ -301,7 +301,8 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
             reuse = (reuse_index(backend, incremental.previous, item.dcp_dir)
                      if incremental is not None else None)
             writer = BackendWriter(backend, f"{name}/{item.dcp_dir}", recorder,
-                                   thread_count=storage.io_threads, compression=compression,
+                                   thread_count=storage.io_threads or backend.default_io_threads,
+                                   compression=compression,
                                    reuse=reuse)
             dcp.save(item.tensors, storage_writer=writer, process_group=item.dcp_group,
                      no_dist=item.dcp_group is None)

@@ -234,8 +234,10 @@ class StorageSpec(_Declared):
         description="fsspec storage options; ${ENV_VAR} is expanded when the backend opens. "
         "Never written to manifests or logs.",
     )
-    io_threads: int = Field(
-        default=2, ge=1, le=64, description="Parallel writer threads per rank for tensor files."
+    io_threads: int | None = Field(
+        default=None, ge=1, le=64,
+        description="Files each rank writes and reads in parallel; default: the backend's (2 "
+        "on local disk and memory, 8 on S3 and GCS, where every file is a network round trip).",
     )
     compression: CompressionSpec | None = Field(
         default=None,
