@@ -253,6 +253,12 @@ class BackendWriter(FileSystemWriter):
         errors: list[BaseException] = []
         if self.reuse is not None:
             results.put(self._reference_unchanged(planner, file_queue))
+        # DCP makes one file per thread even when a thread gets no items; on an object store
+        # each empty file would still cost a request, and a manifest entry.
+        files = [file_queue.get_nowait() for _ in range(file_queue.qsize())]
+        for entry in files:
+            if entry[2]:
+                file_queue.put(entry)
 
         def drain_queue() -> None:
             try:

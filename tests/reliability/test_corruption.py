@@ -23,10 +23,12 @@ def damage(store, path: str, how: str) -> bytes:
     """Damage the object at `path` under the root; returns its original bytes."""
     full = store.path(path)
     original = store.fs.cat_file(full)
-    if how == "flip":
+    if how == "flip" and original:
         data = bytearray(original)
         data[len(data) // 2] ^= 0x01
         store.fs.pipe_file(full, bytes(data))
+    elif how in ("flip", "truncate") and not original:  # an empty file: one byte appears
+        store.fs.pipe_file(full, b"\x01")
     elif how == "truncate":
         store.fs.pipe_file(full, original[: len(original) // 2])
     else:
@@ -74,13 +76,15 @@ def test_every_damaged_file_is_named_and_nothing_is_modified(store, capsys, capl
                 "truncate": f"has {record.size // 2} bytes, the manifest recorded {record.size}",
                 "delete": f"is missing; the manifest lists it ({record.size} bytes)",
             }[how]
+            if record.size == 0 and how != "delete":
+                what = "has 1 bytes, the manifest recorded 0"
             expect_corrupt(lambda: statereg.verify(url, store.options), where, what)
             if not store.remote:  # the command prints the same message (once is enough)
                 assert cli(["verify", url, *options]) == 1
                 err = capsys.readouterr().err
                 assert where in err and what in err, err
             expect_corrupt(lambda: mgr.load(url, verify="full"), where, what)
-            if how != "flip":  # sizes: the default, fast verification sees these
+            if how != "flip" or record.size == 0:  # sizes: the default, fast verification
                 expect_corrupt(lambda: mgr.load(), where, what)
             assert_identical(state.snapshot(), untouched, f"{how} {path}")
             store.fs.pipe_file(store.path(f"step_00000002/{path}"), original)
