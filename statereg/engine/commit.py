@@ -532,7 +532,8 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
 # -- committing --------------------------------------------------------------------------------
 
 
-def commit(backend: StorageBackend, name: str, manifest: Manifest) -> None:
+def commit(backend: StorageBackend, name: str, manifest: Manifest,
+           move_latest: bool = True) -> None:
     """Publish a fully written checkpoint: manifest.sum, then the manifest (both created
     exclusively; the manifest commits it), then the `latest` pointer; release the claim."""
     claim = _active_claim(backend, name)
@@ -552,7 +553,8 @@ def commit(backend: StorageBackend, name: str, manifest: Manifest) -> None:
                     "committed by one); this save's files were not used. Two saves of one step "
                     "cannot both commit: give each run its own root or step"
                 ) from None
-        backend.write_bytes(LATEST_NAME, name.encode())
+        if move_latest:
+            backend.write_bytes(LATEST_NAME, name.encode())
     finally:
         if claim is not None:
             claim.release()

@@ -20,8 +20,8 @@ from statereg.backends.base import FileRecorder, StorageBackend, WrittenFile
 from statereg.backends.codec import CompressionSettings
 from statereg.backends.dcp_io import METADATA_NAME, BackendReader, BackendWriter, SafeLoadPlanner
 from statereg.engine.commit import (
-    LATEST_NAME,
     Committed,
+    commit,
     read_latest,
     read_manifest_at,
     step_of,
@@ -29,8 +29,9 @@ from statereg.engine.commit import (
 from statereg.engine.load import check_checksum
 from statereg.engine.report import Progress
 from statereg.engine.save import file_codec
+from statereg.engine.world import attempt, raise_own
 from statereg.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
-from statereg.schemas.manifest import MANIFEST_NAME, FileRecord, Manifest
+from statereg.schemas.manifest import FileRecord, Manifest
 
 logger = logging.getLogger("statereg")
 
@@ -96,8 +97,10 @@ def _rewrite_dcp(src: StorageBackend, src_dir: str, dst: StorageBackend, dst_dir
     """Load every item of one DCP directory and write it again with `compression`."""
     state: dict[str, Any] = {}
     # The private loader fills `state` in place (dcp.load copies the dict it is given).
-    _load_state_dict(state, storage_reader=BackendReader(src, src_dir),
-                     planner=_LoadEverything(), no_dist=True)
+    _, error = attempt(_load_state_dict, state, BackendReader(src, src_dir), None, 0, True,
+                       _LoadEverything())
+    if error is not None:  # DCP wraps failures in a BaseException; raise the real one
+        raise_own(error, f"reading {src.display(src_dir)}", 0)
     writer = BackendWriter(dst, dst_dir, recorder, thread_count=2, compression=compression)
     dcp.save(state, storage_writer=writer, no_dist=True)
 
@@ -143,10 +146,9 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                     codecs[written.path.removeprefix(f"{name}/")] = file_codec(
                         written.path, recompress)
     manifest = _retarget(source.manifest, name, recorder.files(), codecs, references)
-    dst.write_bytes(f"{name}/{MANIFEST_NAME}", manifest.to_json())
     latest = read_latest(dst)
-    if latest is None or (step_of(latest) or -1) < manifest.step:
-        dst.write_bytes(LATEST_NAME, name.encode())
+    newer = latest is None or (step_of(latest) or -1) < manifest.step
+    commit(dst, name, manifest, move_latest=newer)
     return manifest
 
 

@@ -38,7 +38,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _raise_own(error: BaseException, what: str, rank: int) -> None:
+def raise_own(error: BaseException, what: str, rank: int) -> None:
     """Raise this rank's error itself, also when DCP wrapped it in a CheckpointException.
 
     CheckpointException derives from BaseException, which `except Exception` misses: when it
@@ -100,12 +100,12 @@ class World:
         """
         if not self.distributed:
             if error is not None:
-                _raise_own(error, what, self.rank)
+                raise_own(error, what, self.rank)
             return
         reports = self.all_gather(None if error is None else _describe(error))
         failed = {r: msg for r, msg in enumerate(reports) if msg is not None}
         if error is not None:
-            _raise_own(error, what, self.rank)
+            raise_own(error, what, self.rank)
         if failed:
             lines = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
             raise StateregError(f"{what} failed on {len(failed)} of {self.size} ranks ({lines})")
