@@ -512,8 +512,8 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
                          if e != claim_file(number) and not _CLAIM_TEMPORARY.match(e)]
             if leftovers:
                 refuse_referenced(backend, name)
-            if leftovers and purpose == "save":
-                logger.warning("removing leftovers of an interrupted save in %s%s",
+            if leftovers and purpose != "gc":
+                logger.warning("removing leftovers of an interrupted %s in %s%s", purpose,
                                backend.display(name), f" (claimed by {why})" if why else "")
                 for entry in leftovers:
                     backend.remove_tree(f"{name}/{entry}")

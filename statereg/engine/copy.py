@@ -21,6 +21,8 @@ from statereg.backends.codec import CompressionSettings
 from statereg.backends.dcp_io import METADATA_NAME, BackendReader, BackendWriter, SafeLoadPlanner
 from statereg.engine.commit import (
     Committed,
+    claim_checkpoint,
+    claim_scope,
     commit,
     read_latest,
     read_manifest_at,
@@ -30,7 +32,7 @@ from statereg.engine.load import check_checksum
 from statereg.engine.report import Progress
 from statereg.engine.save import file_codec
 from statereg.engine.world import attempt, raise_own
-from statereg.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from statereg.errors import CorruptCheckpointError
 from statereg.schemas.manifest import FileRecord, Manifest
 
 logger = logging.getLogger("statereg")
@@ -58,21 +60,6 @@ class _LoadEverything(SafeLoadPlanner):
 def _is_dcp_file(path: str) -> bool:
     name = posixpath.basename(path)
     return name == METADATA_NAME or name.endswith(".distcp")
-
-
-def _check_destination(backend: StorageBackend, name: str) -> None:
-    try:
-        read_manifest_at(backend, name)
-    except CheckpointNotFoundError:
-        if backend.list_dir(name):
-            logger.warning("removing leftovers of an interrupted copy in %s",
-                           backend.display(name))
-            backend.remove_tree(name)
-        return
-    raise CheckpointExistsError(
-        f"{backend.display(name)} is already a committed checkpoint; copy to another root or "
-        "delete it first (statereg never overwrites a committed checkpoint)"
-    )
 
 
 def _read_checked(backend: StorageBackend, name: str, record: FileRecord) -> bytes:
@@ -113,43 +100,49 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
     written again; other files are copied byte for byte.
     """
     source = Committed(name, read_manifest_at(src, name))
-    _check_destination(dst, name)
-    records = source.manifest.files
-    dcp_dirs: set[str] = set()
-    if recompress != "keep":
-        dcp_dirs = {posixpath.dirname(r.path) for r in records
-                    if posixpath.basename(r.path) == METADATA_NAME}
-        for record in records:  # fail before writing anything if the source is damaged
-            _read_checked(src, name, record)
-        for record in source.manifest.references:
-            _read_checked(src, "", record)
-    recorder = FileRecorder()
-    codecs = {r.path: r.codec for r in records}
-    # Kept bytes keep their references to earlier files (incremental saves): copy those too,
-    # to the same place under the destination root. Rewritten directories hold every item.
-    references = source.manifest.references if recompress == "keep" else []
-    with Progress(source.manifest.total_bytes, f"copy {name}") as progress:
-        for record in references:
-            dst.write_bytes(record.path, _read_checked(src, "", record))
-        for record in records:
-            if posixpath.dirname(record.path) in dcp_dirs and _is_dcp_file(record.path):
-                continue
-            data = _read_checked(src, name, record)
-            recorder.add(dst.write_bytes(f"{name}/{record.path}", data))
-            progress.update(record.size)
-        for directory in sorted(dcp_dirs):
-            assert recompress != "keep"
-            _rewrite_dcp(src, f"{name}/{directory}", dst, f"{name}/{directory}", recompress,
-                         recorder)
-            for written in recorder.files():
-                if written.path.startswith(f"{name}/{directory}/"):
-                    codecs[written.path.removeprefix(f"{name}/")] = file_codec(
-                        written.path, recompress)
-    manifest = _retarget(source.manifest, name, recorder.files(), codecs, references)
-    latest = read_latest(dst)
-    newer = latest is None or (step_of(latest) or -1) < manifest.step
-    commit(dst, name, manifest, move_latest=newer)
-    return manifest
+    with claim_scope():
+        # Claimed like a save: refuses a committed or in-progress step, clears leftovers of
+        # an interrupted copy, and commit() below releases it.
+        claim_checkpoint(dst, name, purpose="copy")
+        records = source.manifest.files
+        dcp_dirs: set[str] = set()
+        if recompress != "keep":
+            dcp_dirs = {posixpath.dirname(r.path) for r in records
+                        if posixpath.basename(r.path) == METADATA_NAME}
+            # DCP reads the files it rewrites without checksums: check them (and the earlier files
+            # they reference) first. Every other file is checked as it is copied.
+            for record in records:
+                if posixpath.dirname(record.path) in dcp_dirs and _is_dcp_file(record.path):
+                    _read_checked(src, name, record)
+            for record in source.manifest.references:
+                _read_checked(src, "", record)
+        recorder = FileRecorder()
+        codecs = {r.path: r.codec for r in records}
+        # Kept bytes keep their references to earlier files (incremental saves): copy those too,
+        # to the same place under the destination root. Rewritten directories hold every item.
+        references = source.manifest.references if recompress == "keep" else []
+        with Progress(source.manifest.total_bytes, f"copy {name}") as progress:
+            for record in references:
+                dst.write_bytes(record.path, _read_checked(src, "", record))
+            for record in records:
+                if posixpath.dirname(record.path) in dcp_dirs and _is_dcp_file(record.path):
+                    continue
+                data = _read_checked(src, name, record)
+                recorder.add(dst.write_bytes(f"{name}/{record.path}", data))
+                progress.update(record.size)
+            for directory in sorted(dcp_dirs):
+                assert recompress != "keep"
+                _rewrite_dcp(src, f"{name}/{directory}", dst, f"{name}/{directory}", recompress,
+                             recorder)
+                for written in recorder.files():
+                    if written.path.startswith(f"{name}/{directory}/"):
+                        codecs[written.path.removeprefix(f"{name}/")] = file_codec(
+                            written.path, recompress)
+        manifest = _retarget(source.manifest, name, recorder.files(), codecs, references)
+        latest = read_latest(dst)
+        newer = latest is None or (step_of(latest) or -1) < manifest.step
+        commit(dst, name, manifest, move_latest=newer)
+        return manifest
 
 
 def _retarget(manifest: Manifest, name: str, written: list[WrittenFile],

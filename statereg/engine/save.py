@@ -320,6 +320,7 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
 def build_manifest(spec: RegistrySpec, captured: list[CapturedComponent],
                    files: list[WrittenFile], step: int, tokens_seen: int | None,
                    extra: dict[str, Any], world_size: int) -> Manifest:
+    compression = compression_settings(spec.storage)
     components = {}
     for item in captured:
         prefix = f"{item.plan.name}/"
@@ -345,7 +346,7 @@ def build_manifest(spec: RegistrySpec, captured: list[CapturedComponent],
         spec=redacted_spec(spec),
         components=components,
         files=[FileRecord(path=f.path, size=f.size, checksum=f.checksum,
-                          codec=file_codec(f.path, compression_settings(spec.storage)))
+                          codec=file_codec(f.path, compression))
                for f in files],
     )
 
