@@ -42,6 +42,15 @@ def step(model: FineTune, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
+def saved_twice(root: str) -> tuple[FineTune, torch.optim.Optimizer, str]:
+    """Two trained, incremental saves under `root`; returns the model, optimizer, second URL."""
+    model, opt, mgr = run(root)
+    step(model, opt)
+    mgr.save(step=1)
+    step(model, opt)
+    return model, opt, mgr.save(step=2)
+
+
 def data_bytes(checkpoint: str) -> int:
     return sum(f.stat().st_size for f in Path(checkpoint).rglob("*.distcp"))
 
@@ -105,11 +114,7 @@ def test_retention_keeps_the_files_a_kept_checkpoint_references(tmp_path, capsys
 
 def test_damage_to_a_referenced_file_is_named(tmp_path):
     root = str(tmp_path / "run")
-    model, opt, mgr = run(root)
-    step(model, opt)
-    mgr.save(step=1)
-    step(model, opt)
-    url = mgr.save(step=2)
+    *_, url = saved_twice(root)
     (reference,) = statereg.verify(url).references
     target = Path(root) / reference.path
     blob = bytearray(target.read_bytes())
@@ -122,11 +127,7 @@ def test_damage_to_a_referenced_file_is_named(tmp_path):
 
 def test_plain_dcp_reads_an_incremental_checkpoint_on_local_disk(tmp_path):
     root = str(tmp_path / "run")
-    model, opt, mgr = run(root)
-    step(model, opt)
-    mgr.save(step=1)
-    step(model, opt)
-    url = mgr.save(step=2)
+    model, _, url = saved_twice(root)
     state = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
     dcp.load(state, checkpoint_id=f"{url}/model", no_dist=True)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
@@ -134,11 +135,7 @@ def test_plain_dcp_reads_an_incremental_checkpoint_on_local_disk(tmp_path):
 
 def test_cp_brings_the_referenced_files_along(tmp_path):
     root = str(tmp_path / "run")
-    model, opt, mgr = run(root)
-    step(model, opt)
-    mgr.save(step=1)
-    step(model, opt)
-    url = mgr.save(step=2)
+    model, opt, url = saved_twice(root)
     expected = snapshot(model, opt)
 
     assert statereg.cli.main(["cp", url, str(tmp_path / "copy")]) == 0
