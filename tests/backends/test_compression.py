@@ -7,6 +7,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -93,14 +94,44 @@ def test_compressed_checkpoints_are_smaller_and_load_bit_exact(tmp_path, compres
     assert {c for p, c in codecs.items() if not p.endswith(".distcp")} == {"none"}
 
 
+def encoded(encode: Callable[..., None], *args: object, **kwargs: object) -> bytes:
+    """What an encoder writes, copied chunk by chunk (its plane buffers are reused)."""
+    chunks: list[bytes] = []
+    encode(*args, write=lambda chunk: chunks.append(bytes(chunk)), **kwargs)
+    return b"".join(chunks)
+
+
 def test_float_planes_beat_plain_zstd_on_weights():
     weights = torch.randn(1 << 20).mul(0.02)
+    settings = codec.CompressionSettings()
     for tensor, elem in ((weights.bfloat16(), 2), (weights, 4)):
         raw = memoryview(tensor.view(torch.uint8).numpy())
-        settings = codec.CompressionSettings()
-        planes = codec.encode_planes(raw, elem, True, settings)
+        planes = encoded(codec.encode_planes, raw, elem, True, settings)
         assert codec.decode_planes(planes, len(raw), "w") == raw.tobytes()
-        assert len(planes) < 0.93 * len(codec.encode_zstd(raw, settings))
+        zstd = encoded(codec.encode_zstd_parts, b"", raw, b"", settings)
+        assert len(planes) < 0.93 * len(zstd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("numel", [0, 1, 7, (1 << 18) + 3, 3 << 18])
+def test_float_planes_round_trip_any_length_with_prefix_and_suffix(dtype, numel):
+    gen = torch.Generator().manual_seed(numel)
+    tensor = torch.randn(numel, generator=gen).mul(0.02).to(dtype)
+    raw = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    elem, rotate = codec.float_layout(dtype)
+    prefix, suffix = b"PK-head" * 9, b"tail" * 5
+    blob = encoded(codec.encode_planes, raw, elem, rotate, codec.CompressionSettings(),
+                   prefix=prefix, suffix=suffix)
+    assert codec.decode_planes(blob, 1 << 40, "x") == prefix + raw.tobytes() + suffix
+
+
+def test_float_planes_version_1_still_decodes():
+    # statereg.planes/1 of 4 fp32 values (1.0, -2.0, 0.5, 3.0), as statereg 0.1 wrote it.
+    v1 = bytes.fromhex(
+        "5352503104011000000000000000cf45bf90347721d1000400000000000000000400000000000000"
+        "0004000000000000000004000000000000000001000000000000000000807f807e80")
+    out = codec.decode_planes(v1, 1 << 20, "x")
+    assert torch.frombuffer(out, dtype=torch.float32).tolist() == [1.0, -2.0, 0.5, 3.0]
 
 
 def test_plain_dcp_loads_a_zstd_checkpoint_without_statereg(tmp_path):
@@ -186,7 +217,7 @@ def test_a_decompression_bomb_stops_at_the_item_size(tmp_path, content_size):
 
 def test_a_planes_header_cannot_claim_more_than_the_item():
     raw = memoryview(torch.randn(1000).numpy().view("uint8"))
-    blob = codec.encode_planes(raw, 4, True, codec.CompressionSettings())
+    blob = encoded(codec.encode_planes, raw, 4, True, codec.CompressionSettings())
     with pytest.raises(statereg.CorruptCheckpointError, match="declares 4000 bytes, more than"):
         codec.decode_planes(blob, 3999, "item")
 

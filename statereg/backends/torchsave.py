@@ -1,0 +1,224 @@
+"""Where a tensor's bytes lie inside one `torch.save` record, so a load can read them in place.
+
+DCP stores every tensor item as a `torch.save` zip. Loading one through `torch.load` allocates
+a tensor, reads into it and then copies it into the destination: two passes over memory for
+every byte. When the record is the plain case (one contiguous, little-endian storage of the
+expected dtype, stored uncompressed), its payload can instead be `readinto` the destination
+directly. Anything else returns None and the caller keeps DCP's `torch.load` path, so this is
+an optimisation, never a second format.
+
+The zip is read with the standard library's `zipfile` (central directory, zip64), and
+`data.pkl` with an unpickler that admits only what a plain tensor record holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import pickle
+import struct
+import sys
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64, "IntStorage": torch.int32, "ShortStorage": torch.int16,
+    "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader
+
+
+class _NotPlain(Exception):
+    """The record is not the plain one-storage tensor this module reads in place."""
+
+
+@dataclass(frozen=True)
+class _Rebuilt:
+    dtype: torch.dtype
+    key: str
+    numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _rebuild(storage: tuple[torch.dtype, str, int], storage_offset: int, size: Any,
+             stride: Any, *_: Any) -> _Rebuilt:
+    dtype, key, numel = storage
+    return _Rebuilt(dtype, key, numel, storage_offset, tuple(size), tuple(stride))
+
+
+class _TensorRecordUnpickler(pickle.Unpickler):
+    """Reads `data.pkl` of a plain tensor record into a `_Rebuilt`, and nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise _NotPlain(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> tuple[torch.dtype, str, int]:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and pid[3] == "cpu" and isinstance(pid[1], torch.dtype)):
+            raise _NotPlain("storage reference")
+        return pid[1], str(pid[2]), int(pid[4])
+
+
+class _Window(io.RawIOBase):
+    """`length` bytes of `base` from `offset`, seekable from either end (zipfile needs both)."""
+
+    def __init__(self, base: IO[bytes], offset: int, length: int) -> None:
+        super().__init__()
+        self.base, self.offset, self.length = base, offset, length
+        self.pos = 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        start = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
+        self.pos = max(0, min(self.length, start + pos))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[:self.length - self.pos]
+        self.base.seek(self.offset + self.pos)
+        got = self.base.readinto(view) or 0
+        self.pos += got
+        return got
+
+
+def _read_exact(stream: _Window, start: int, size: int) -> bytes:
+    stream.seek(start)
+    data = stream.read(size)
+    if data is None or len(data) != size:
+        raise _NotPlain("short read")
+    return data
+
+
+def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
+             shape: tuple[int, ...]) -> int | None:
+    """Offset in `stream` of the raw bytes of the record at [offset, offset+length), if plain."""
+    window = _Window(stream, offset, length)
+    try:
+        archive = zipfile.ZipFile(window)
+        names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
+        for name in ("data.pkl", "byteorder"):
+            if name not in names or names[name].compress_type != zipfile.ZIP_STORED:
+                raise _NotPlain(name)
+        order = _member(window, names["byteorder"])
+        if order.decode("ascii", "replace") != sys.byteorder:
+            raise _NotPlain("byte order")
+        record = _TensorRecordUnpickler(io.BytesIO(_member(window, names["data.pkl"]))).load()
+        if not isinstance(record, _Rebuilt):
+            raise _NotPlain("not a tensor")
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if (record.dtype != dtype or record.size != shape or record.storage_offset != 0
+                or record.numel != numel or record.stride != _contiguous_strides(shape)):
+            raise _NotPlain("layout")
+        data = names.get(f"data/{record.key}")
+        nbytes = numel * torch._utils._element_size(dtype)
+        if data is None or data.compress_type != zipfile.ZIP_STORED or data.file_size != nbytes:
+            raise _NotPlain("payload")
+        return offset + _member_start(window, data)
+    except (_NotPlain, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError,
+            TypeError, KeyError, IndexError, struct.error):
+        return None
+
+
+def _member_start(window: _Window, info: zipfile.ZipInfo) -> int:
+    header = _LOCAL_HEADER.unpack(_read_exact(window, info.header_offset, _LOCAL_HEADER.size))
+    if header[0] != zipfile.stringFileHeader:
+        raise _NotPlain("local header")
+    start = info.header_offset + _LOCAL_HEADER.size + header[10] + header[11]
+    if start + info.file_size > window.length:
+        raise _NotPlain("member past the record")
+    return start
+
+
+def _member(window: _Window, info: zipfile.ZipInfo) -> bytes:
+    if info.file_size > 1 << 20:
+        raise _NotPlain("member too large")
+    return _read_exact(window, _member_start(window, info), info.file_size)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor) -> bool:
+    """Fill `target` from the torch.save record at [offset, offset+length) of `stream`.
+
+    Returns False, having read nothing into `target`, when the record or the target is not
+    the plain case (the caller then uses `torch.load`). Raises EOFError if the stream ends
+    before the payload does.
+    """
+    if (target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0
+            or target.is_quantized or target.is_sparse):
+        return False
+    start = _payload(stream, offset, length, target.dtype, tuple(target.shape))
+    if start is None:
+        return False
+    view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+    stream.seek(start)
+    while view:
+        got = stream.readinto(view)
+        if not got:
+            raise EOFError(f"stream ended {len(view)} bytes before the tensor's end")
+        view = view[got:]
+    return True
+
+
+@functools.cache
+def _crc_free_writer() -> bool:
+    """Whether torch's zip writer can be driven directly (it skips the per-record crc32).
+
+    torch.save checksums every record with a byte-at-a-time crc32 (~3.5 GB/s here, a fifth
+    of a save's CPU time); statereg checksums whole files with xxh3 while writing, so the
+    zip's own crc adds nothing. Uses private torch API, hence checked once, with a fallback.
+    """
+    try:
+        probe = torch.arange(4, dtype=torch.float32)
+        buffer = io.BytesIO()
+        _save_without_crc(probe, buffer)
+        buffer.seek(0)
+        return bool(torch.equal(torch.load(buffer, weights_only=True), probe))
+    except Exception:  # any change in torch's internals: fall back to torch.save
+        return False
+
+
+def _save_without_crc(tensor: torch.Tensor, stream: IO[bytes]) -> None:
+    serialization: Any = torch.serialization
+    writer = torch._C.PyTorchFileWriter(stream, False, serialization._get_storage_alignment())
+    serialization._save(tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+
+
+def save(tensor: torch.Tensor, stream: IO[bytes]) -> None:
+    """`torch.save(tensor, stream)`, byte-compatible, without the zip records' crc32."""
+    if _crc_free_writer():
+        _save_without_crc(tensor, stream)
+    else:
+        torch.save(tensor, stream)

@@ -1,0 +1,78 @@
+"""Reading a tensor's bytes in place from a torch.save record, and declining what is not plain."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+
+from statereg.backends import torchsave
+
+
+def record(tensor: torch.Tensor, lead: bytes = b"lead") -> tuple[io.BytesIO, int, int]:
+    """A stream holding `lead` then torch.save(tensor): (stream, offset, length)."""
+    stream = io.BytesIO()
+    stream.write(lead)
+    torch.save(tensor, stream)
+    return stream, len(lead), stream.tell() - len(lead)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.randn(64, 33), torch.randn(1000).bfloat16(), torch.tensor(2.5, dtype=torch.float64),
+    torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.rand(17) > 0.5,
+    torch.randn(3, 5).half(),
+], ids=["fp32", "bf16", "scalar", "int64", "bool", "fp16"])
+def test_plain_records_are_read_in_place_bit_exact(tensor):
+    stream, offset, length = record(tensor)
+    target = torch.full_like(tensor, 0)
+    assert torchsave.read_into(stream, offset, length, target)
+    assert torch.equal(target.view(torch.uint8) if tensor.dtype == torch.bool else target,
+                       tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor)
+
+
+@pytest.mark.parametrize("case", ["transposed", "offset view", "other dtype", "other shape",
+                                  "target not contiguous"])
+def test_records_that_are_not_the_plain_case_are_declined_untouched(case):
+    stored = torch.randn(6, 4)
+    target = torch.zeros(6, 4)
+    if case == "transposed":
+        stored = torch.randn(4, 6).t()
+    elif case == "offset view":
+        stored = torch.randn(30)[6:30].view(6, 4)
+    elif case == "other dtype":
+        target = torch.zeros(6, 4, dtype=torch.float64)
+    elif case == "other shape":
+        target = torch.zeros(4, 6)
+    else:
+        target = torch.zeros(4, 6).t()
+    stream, offset, length = record(stored)
+    assert not torchsave.read_into(stream, offset, length, target)
+    assert not target.any()
+
+
+def test_a_record_with_a_foreign_global_is_declined_without_running_it():
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('ran')",))
+
+    stream = io.BytesIO()
+    torch.save({"t": torch.zeros(2), "x": Boom()}, stream, pickle_module=pickle)
+    target = torch.ones(2)
+    assert not torchsave.read_into(stream, 0, stream.tell(), target)
+    assert target.tolist() == [1.0, 1.0]
+
+
+def test_damaged_or_truncated_records_are_declined():
+    tensor = torch.randn(4096)
+    stream, offset, length = record(tensor)
+    data = bytearray(stream.getvalue())
+    data[offset:offset + 4] = b"XXXX"  # the first local header's signature
+    assert not torchsave.read_into(io.BytesIO(bytes(data)), offset, length, torch.zeros(4096))
+
+    # A stream that ends early has lost the record's central directory: declined too, and
+    # the reader's torch.load fallback reports the damage.
+    whole = stream.getvalue()
+    assert not torchsave.read_into(io.BytesIO(whole[:offset + 2000]), offset, length,
+                                   torch.zeros(4096))
