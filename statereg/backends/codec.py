@@ -58,7 +58,13 @@ _BLOCK_ELEMS = 1 << 18
 _HEADER_V1 = struct.Struct("<4sBBQQ")
 _PLANE_V1 = struct.Struct("<BQ")
 _MAGIC_V1 = b"SRP1"
-_RAW, _ZSTD = 0, 1
+_RAW, _ZSTD, _NIBBLES = 0, 1, 2
+# Exponents: the 15 most common consecutive values become 4-bit codes (0: look in the escape
+# list), two to a byte, before zstd. Huffman codes whole bytes, so coding exponent pairs
+# loses less to rounding code lengths than coding single exponents (~0.15 bit each here).
+_NIBBLE_WINDOW = np.ones(15, dtype=np.int64)
+_NIBBLE_HEADER = struct.Struct("<BI")  # lowest exponent of the window, escape count
+_MAX_ESCAPES = 1 / 32
 # A plane is stored raw unless zstd shrinks a sample of it by at least this factor.
 _WORTH_IT = 0.995
 _PROBE_BYTES = 128 * 1024
@@ -119,7 +125,8 @@ def _scratch(elem_size: int) -> list[np.ndarray]:
     if cache is None:
         cache = _local.scratch = {}
     if elem_size not in cache:
-        cache[elem_size] = [np.empty(_BLOCK_ELEMS, dtype=np.uint8) for _ in range(elem_size + 2)]
+        cache[elem_size] = [np.empty(_BLOCK_ELEMS + 1, dtype=np.uint8)
+                            for _ in range(elem_size + 2)]
     return cache[elem_size]
 
 
@@ -167,7 +174,12 @@ def encode_planes(body: memoryview, elem_size: int, rotate: bool,
         if chosen is None:
             chosen = [_best_compressor(memoryview(view), settings) for view in views]
         coded: list[tuple[int, Any]] = []
-        for view, compressor in zip(views, chosen, strict=True):
+        for k, (view, compressor) in enumerate(zip(views, chosen, strict=True)):
+            if rotate and k == elem_size - 1:
+                packed = _nibble_exponents(view, settings, low, high)
+                if packed is not None:
+                    coded.append((_NIBBLES, packed))
+                    continue
             frame = compressor.compress(view) if compressor is not None else None
             if frame is not None and len(frame) < count * _WORTH_IT:
                 coded.append((_ZSTD, frame))
@@ -177,6 +189,56 @@ def encode_planes(body: memoryview, elem_size: int, rotate: bool,
         for _, chunk in coded:
             write(chunk)
     write(suffix)
+
+
+def _nibble_exponents(exponents: np.ndarray, settings: CompressionSettings,
+                      codes: np.ndarray, spare: np.ndarray) -> bytes | None:
+    """Exponents as 4-bit codes, two to a byte, zstd'd; None if too many fall outside."""
+    count = len(exponents)
+    sample = exponents[::max(1, count // 16384)]
+    base = int(np.convolve(np.bincount(sample, minlength=256), _NIBBLE_WINDOW, "valid").argmax())
+    codes, spare = codes[:count + 1], spare[:count]
+    np.subtract(exponents, np.uint8((base - 1) % 256), out=codes[:count])  # window -> 1..15
+    np.subtract(codes[:count], np.uint8(1), out=spare)
+    outside = spare > 14
+    escapes = exponents[outside]
+    if len(escapes) > count * _MAX_ESCAPES:
+        return None
+    codes[outside.nonzero()[0]] = 0
+    codes[count] = 0  # pads an odd count
+    half = (count + 1) // 2
+    packed = spare[:half]
+    np.left_shift(codes[0:2 * half:2], 4, out=packed)
+    np.bitwise_or(packed, codes[1:2 * half:2], out=packed)
+    return b"".join([_NIBBLE_HEADER.pack(base, len(escapes)), _plane(settings).compress(packed),
+                     escapes.tobytes()])
+
+
+def _unnibble_exponents(chunk: memoryview, count: int, source: str) -> np.ndarray:
+    """Invert `_nibble_exponents`."""
+    def damaged(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{source}: float-aware item is damaged ({what})")
+
+    if len(chunk) < _NIBBLE_HEADER.size:
+        raise damaged("exponent plane is truncated")
+    base, escape_count = _NIBBLE_HEADER.unpack_from(chunk)
+    if escape_count > count or _NIBBLE_HEADER.size + escape_count > len(chunk):
+        raise damaged("exponent escapes overrun the plane")
+    half = (count + 1) // 2
+    packed = np.frombuffer(decode_zstd(chunk[_NIBBLE_HEADER.size:len(chunk) - escape_count],
+                                       half, source), dtype=np.uint8)
+    if len(packed) != half:
+        raise damaged(f"exponent plane holds {2 * len(packed)} codes, expected {count}")
+    codes = np.empty(2 * half, dtype=np.uint8)
+    np.right_shift(packed, 4, out=codes[0::2])
+    np.bitwise_and(packed, 15, out=codes[1::2])
+    codes = codes[:count]
+    escaped = (codes == 0).nonzero()[0]
+    if len(escaped) != escape_count:
+        raise damaged("exponent escapes do not match their codes")
+    np.add(codes, np.uint8((base - 1) % 256), out=codes)
+    codes[escaped] = np.frombuffer(chunk[len(chunk) - escape_count:], dtype=np.uint8)
+    return codes
 
 
 def _best_compressor(plane: memoryview, settings: CompressionSettings,
@@ -268,6 +330,8 @@ def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearra
                 plane = chunk
             elif mode == _ZSTD:
                 plane = decode_zstd(chunk, count, source)
+            elif mode == _NIBBLES and rotate and k == elem_size - 1:
+                plane = _unnibble_exponents(chunk, count, source)
             else:
                 raise damaged(f"plane {k} has unknown mode {mode}")
             if len(plane) != count:

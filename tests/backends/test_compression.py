@@ -114,9 +114,13 @@ def test_float_planes_beat_plain_zstd_on_weights():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("numel", [0, 1, 7, (1 << 18) + 3, 3 << 18])
-def test_float_planes_round_trip_any_length_with_prefix_and_suffix(dtype, numel):
+@pytest.mark.parametrize("spread", ["narrow", "wide"])
+def test_float_planes_round_trip_any_length_with_prefix_and_suffix(dtype, numel, spread):
     gen = torch.Generator().manual_seed(numel)
-    tensor = torch.randn(numel, generator=gen).mul(0.02).to(dtype)
+    tensor = torch.randn(numel, generator=gen).mul(0.02)
+    if spread == "wide":  # exponents everywhere: the 4-bit exponent codes do not pay
+        tensor *= torch.logspace(-30, 30, numel)
+    tensor = tensor.to(dtype)
     raw = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
     elem, rotate = codec.float_layout(dtype)
     prefix, suffix = b"PK-head" * 9, b"tail" * 5
