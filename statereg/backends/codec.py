@@ -53,7 +53,7 @@ _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _HEADER = struct.Struct("<4sBBIQQQQ")
 _PLANE = struct.Struct("<BI")
 _MAGIC = b"SRP2"
-_BLOCK_ELEMS = 1 << 18
+_BLOCK_ELEMS = 1 << 20
 # The first layout (statereg.planes/1): whole planes, the sign rotated through every byte.
 _HEADER_V1 = struct.Struct("<4sBBQQ")
 _PLANE_V1 = struct.Struct("<BQ")
