@@ -5,12 +5,28 @@ from __future__ import annotations
 import json
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
 import statereg
 from statereg.backends.base import FileRecorder, StorageBackend, WrittenFile, new_hasher
@@ -143,17 +159,42 @@ def check_consistency(world: World, spec: RegistrySpec, captured: list[CapturedC
     )
 
 
-def check_replicas(world: World, captured: list[CapturedComponent]) -> None:
-    """For `replicated` components declared with validate: every rank's copy must be equal."""
-    hashes: dict[str, dict[str, str]] = {}
+def _replica_digests(captured: list[CapturedComponent]) -> dict[str, dict[str, int]]:
+    """xxh3_64 of each tensor's bytes, per `replicated` component declared with validate."""
+    digests: dict[str, dict[str, int]] = {}
     for item in captured:
         if not item.plan.validate or item.tensors is None:
             continue
+        mine = digests.setdefault(item.plan.name, {})
         for key, tensor in item.tensors.items():
             if isinstance(tensor, torch.Tensor):
                 hasher = new_hasher()
-                hasher.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
-                hashes.setdefault(item.plan.name, {})[key] = hasher.hexdigest()
+                # reshape(-1): a 0-dim tensor (a step count, BatchNorm's counter) has no byte view
+                hasher.update(tensor.detach().cpu().contiguous().reshape(-1)
+                              .view(torch.uint8).numpy())
+                mine[key] = hasher.intdigest()
+    return digests
+
+
+def _combined(digests: dict[str, int]) -> int:
+    """One digest of a component's per-tensor digests, in key order."""
+    hasher = new_hasher()
+    hasher.update(array("Q", (digests[key] for key in sorted(digests))).tobytes())
+    return hasher.intdigest()
+
+
+def check_replicas(world: World, captured: list[CapturedComponent]) -> None:
+    """For `replicated` components declared with validate: every rank's copy must be equal.
+
+    A single process has no other copy to compare. Ranks exchange one digest per component,
+    and the per-tensor digests (to name the tensor) only when those differ.
+    """
+    if world.size <= 1:
+        return
+    hashes = _replica_digests(captured)
+    summaries = world.all_gather({comp: _combined(d) for comp, d in hashes.items()})
+    if all(summary == summaries[0] for summary in summaries):
+        return
     gathered = world.all_gather(hashes)
     for comp, mine in gathered[0].items():
         for key, digest in mine.items():
@@ -278,6 +319,94 @@ def file_codec(path: str, settings: CompressionSettings | None) -> str:
     return "zstd+planes" if settings.float_aware else "zstd"
 
 
+# Exactly these types are whole local tensors to DCP (DTensor and ShardedTensor subclass Tensor).
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _whole_tensor_index(fqn: str, offsets: torch.Size) -> MetadataIndex:
+    """MetadataIndex(fqn, offsets, 0), sharing `offsets` (its __init__ copies it per index).
+
+    Index hint 0: the tensor's one chunk, as DCP's global plan would set it.
+    """
+    index = MetadataIndex(fqn, None, 0)
+    object.__setattr__(index, "offset", offsets)  # frozen: set as its own __init__ does
+    return index
+
+
+class StateregSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with a fast path for a flat dict of plain tensors.
+
+    statereg's model and optimizer components are flat `name -> tensor` dicts of whole
+    tensors. For them flattening is the identity, each tensor is one item, and a single
+    plan (one process) has nothing to deduplicate or to validate for overlaps, so the plan
+    and metadata are built directly, each tensor visited once. Tensors of one shape and
+    dtype share their write data and storage metadata (nothing changes either after
+    planning), so `.metadata` pickles each shape once instead of once per tensor. The plan
+    and metadata equal DefaultSavePlanner's.
+    Anything else (nested state, DTensor, objects) and plans gathered from several ranks
+    take DefaultSavePlanner's path: deduplication and validation across ranks stay.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._plain = False
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
+                       is_coordinator: bool = False) -> None:
+        self._plain = all(type(key) is str and type(value) in _PLAIN_TENSOR_TYPES
+                          for key, value in state_dict.items())
+        if not self._plain:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        # What flatten_state_dict returns for a flat dict of tensors: itself, keys as paths.
+        self.state_dict = dict(state_dict)
+        self.mappings = {key: (key,) for key in state_dict}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        if not self._plain:
+            return super().create_local_plan()
+        shared: dict[tuple[Any, ...], TensorWriteData] = {}
+        items = []
+        for fqn, tensor in self.state_dict.items():
+            size = tensor.size()
+            key = (size, tensor.dtype, tensor.layout, tensor.requires_grad, tensor.is_pinned())
+            data = shared.get(key)
+            if data is None:
+                offsets = torch.Size([0] * len(size))
+                data = shared[key] = TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=size),
+                    properties=TensorProperties.create_from_tensor(tensor), size=size)
+            items.append(WriteItem(index=_whole_tensor_index(fqn, data.chunk.offsets),
+                                   type=WriteItemType.TENSOR, tensor_data=data))
+        self.plan = SavePlan(items, planner_data=self.mappings)
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if not (self._plain and len(all_plans) == 1):
+            return super().create_global_plan(all_plans)
+        plan = all_plans[0]
+        md: dict[str, Any] = {}
+        shared: dict[int, TensorStorageMetadata] = {}
+        for item in plan.items:
+            data = item.tensor_data
+            if item.type != WriteItemType.TENSOR or data is None or item.index.fqn in md:
+                return super().create_global_plan(all_plans)  # not a plan of ours
+            stored = shared.get(id(data))
+            if stored is None:
+                stored = shared[id(data)] = TensorStorageMetadata(
+                    properties=data.properties, size=data.size, chunks=[data.chunk])
+            md[item.index.fqn] = stored
+        self.global_plan = all_plans
+        self.metadata = Metadata(md, planner_data=dict(plan.planner_data or {}))
+        return all_plans, self.metadata
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        if self._plain:
+            return self.state_dict[write_item.index.fqn]
+        return super().resolve_data(write_item)
+
+
 @dataclass
 class IncrementalState:
     """One rank's view of an incremental save: what it may reference, what it did reference."""
@@ -304,8 +433,8 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
                                    thread_count=storage.io_threads or backend.default_io_threads,
                                    compression=compression,
                                    reuse=reuse)
-            dcp.save(item.tensors, storage_writer=writer, process_group=item.dcp_group,
-                     no_dist=item.dcp_group is None)
+            dcp.save(item.tensors, storage_writer=writer, planner=StateregSavePlanner(),
+                     process_group=item.dcp_group, no_dist=item.dcp_group is None)
             if incremental is not None:
                 incremental.digests.update(
                     {f"{item.dcp_dir}/{key}": d for key, d in writer.digests.items()})
