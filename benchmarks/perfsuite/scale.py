@@ -5,8 +5,8 @@ timed saves, the functions below are wrapped with timers (a measurement hook in 
 benchmark only; the library is unchanged) and their time is summed per category:
 
 - plan: statereg reading the state and agreeing on it (`capture`, `check_consistency`,
-  `check_replicas`) and DCP's save planner (`set_up_planner`, `create_local_plan`,
-  `create_global_plan`, `finish_plan`);
+  `check_replicas`) and the save planner (`StateregSavePlanner`: `set_up_planner`,
+  `create_local_plan`, `create_global_plan`, `finish_plan`);
 - manifest: claiming the directory, DCP's `.metadata` (`BackendWriter.finish`), building and
   committing the manifest, retention;
 - checksums: every `update` of the per-file xxh3 hashers. These run in the writer threads,
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import statereg
 import statereg.backends.base as backend_base
@@ -35,12 +34,13 @@ import statereg.engine.save as engine_save
 import statereg.manager as manager_module
 from perfsuite.measure import PageCache, Timing, fresh_dir, measure
 from statereg.backends.dcp_io import BackendWriter
+from statereg.engine.save import StateregSavePlanner
 
 CATEGORIES = {
     "plan": [(manager_module, "capture"), (manager_module, "check_consistency"),
-             (manager_module, "check_replicas"), (DefaultSavePlanner, "set_up_planner"),
-             (DefaultSavePlanner, "create_local_plan"),
-             (DefaultSavePlanner, "create_global_plan"), (DefaultSavePlanner, "finish_plan")],
+             (manager_module, "check_replicas"),
+             (StateregSavePlanner, "set_up_planner"), (StateregSavePlanner, "create_local_plan"),
+             (StateregSavePlanner, "create_global_plan"), (StateregSavePlanner, "finish_plan")],
     "manifest": [(engine_save, "_prepare_directory"), (BackendWriter, "finish"),
                  (engine_save, "build_manifest"), (engine_save, "commit"),
                  (engine_save, "apply_retention")],
