@@ -67,9 +67,11 @@ _NIBBLE_HEADER = struct.Struct("<BI")  # lowest exponent of the window, escape c
 _MAX_ESCAPES = 1 / 32
 # A plane is stored raw unless zstd shrinks a sample of it by at least this factor.
 _WORTH_IT = 0.995
-_PROBE_BYTES = 128 * 1024
+_PROBE_BYTES = 32 * 1024
 # Writes at least this long are kept as views instead of copied (a tensor's own bytes).
 _KEEP_VIEW = 64 * 1024
+# Smaller float tensors get one plain zstd frame: splitting them costs more than it saves.
+MIN_PLANES_BYTES = _KEEP_VIEW
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ def encode_planes(body: memoryview, elem_size: int, rotate: bool,
     columns = np.frombuffer(body, dtype=np.uint8).reshape(-1, elem_size)
     planes = _scratch(elem_size)
     low, high = planes[elem_size:]
-    chosen: list[zstandard.ZstdCompressor | None] | None = None
+    chosen: dict[int, zstandard.ZstdCompressor | None] = {}  # per plane, from the first block
     for start in range(0, len(columns), _BLOCK_ELEMS):
         block = columns[start:start + _BLOCK_ELEMS]
         count = len(block)
@@ -171,15 +173,16 @@ def encode_planes(body: memoryview, elem_size: int, rotate: bool,
             np.right_shift(top, 7, out=top)
             np.bitwise_or(high[:count], top, out=nxt)
             np.copyto(top, low[:count])
-        if chosen is None:
-            chosen = [_best_compressor(memoryview(view), settings) for view in views]
         coded: list[tuple[int, Any]] = []
-        for k, (view, compressor) in enumerate(zip(views, chosen, strict=True)):
+        for k, view in enumerate(views):
             if rotate and k == elem_size - 1:
                 packed = _nibble_exponents(view, settings, low, high)
                 if packed is not None:
                     coded.append((_NIBBLES, packed))
                     continue
+            if k not in chosen:
+                chosen[k] = _best_compressor(memoryview(view), settings)
+            compressor = chosen[k]
             frame = compressor.compress(view) if compressor is not None else None
             if frame is not None and len(frame) < count * _WORTH_IT:
                 coded.append((_ZSTD, frame))

@@ -337,7 +337,7 @@ class CompressingTransforms(_StorageWriterTransforms):
         body_size = (write_item.tensor_data.chunk.sizes.numel()
                      * torch._utils._element_size(dtype))
         layout = codec.float_layout(dtype) if settings.float_aware else None
-        if layout is None:
+        if layout is None or body_size < codec.MIN_PLANES_BYTES:
             return (codec.EncodingStream(raw_stream, lambda prefix, body, suffix, write:
                                          codec.encode_zstd_parts(prefix, body, suffix, settings,
                                                                  write), body_size),
@@ -345,7 +345,7 @@ class CompressingTransforms(_StorageWriterTransforms):
         size, rotate = layout
 
         def encode(prefix: bytes, body: memoryview | None, suffix: bytes, write: Any) -> None:
-            if body is None:  # a tensor too small to keep apart: all of it is the prefix
+            if body is None:  # torch.save did not write the tensor in one piece: plane it all
                 body, prefix = memoryview(prefix), b""
             codec.encode_planes(body, size, rotate, settings, write, prefix, suffix)
 
