@@ -11,6 +11,7 @@ only the filesystem underneath, for three reasons:
 
 from __future__ import annotations
 
+import copyreg
 import io
 import os
 import pickle
@@ -315,7 +316,23 @@ class BackendWriter(FileSystemWriter):
         metadata.storage_data = {wr.index: wr.storage_data for res in results for wr in res}
         metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
         with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_NAME), "wb") as out:
-            pickle.dump(metadata, out)
+            pickler = pickle.Pickler(out)
+            pickler.dispatch_table = _METADATA_REDUCERS
+            pickler.dump(metadata)
+
+
+def _reduce_storage_info(info: _StorageInfo) -> tuple[type, tuple[Any, ...]]:
+    # _StorageInfo(path, offset, length[, descriptors]): the constructor call unpickles to the
+    # same object as DCP's own __getstate__ (which drops None fields), at half the cost per
+    # item, and older torch without the descriptors field reads uncompressed items as before.
+    args = (info.relative_path, info.offset, info.length)
+    if info.transform_descriptors is not None:
+        args += (info.transform_descriptors,)
+    return _StorageInfo, args
+
+
+_METADATA_REDUCERS = copyreg.dispatch_table.copy()
+_METADATA_REDUCERS[_StorageInfo] = _reduce_storage_info
 
 
 class CompressingTransforms(_StorageWriterTransforms):
