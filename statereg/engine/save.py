@@ -6,6 +6,7 @@ import json
 import logging
 import time
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -419,10 +420,17 @@ class IncrementalState:
 def write_components(backend: StorageBackend, name: str, captured: list[CapturedComponent],
                      storage: StorageSpec, progress: Progress,
                      incremental: IncrementalState | None = None) -> list[WrittenFile]:
-    """Write this rank's files of every component; returns them relative to `name`."""
+    """Write this rank's files of every component; returns them relative to `name`.
+
+    Components that need no collective (one process, or per-rank state) are written at the
+    same time: on an object store each component's uploads would otherwise wait for the
+    slowest file of the one before.
+    """
     recorder = FileRecorder()
     compression = compression_settings(storage)
-    for item in captured:
+
+    def write(item: CapturedComponent) -> BackendWriter | None:
+        writer = None
         if item.tensors is not None and item.plan.format in MODEL_FILE_FORMATS:
             write_model_files(backend, f"{name}/{item.dcp_dir}", item.plan.format, item.tensors,
                               item.dcp_group, item.plan.max_shard_size, recorder.add)
@@ -435,13 +443,22 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
                                    reuse=reuse)
             dcp.save(item.tensors, storage_writer=writer, planner=StateregSavePlanner(),
                      process_group=item.dcp_group, no_dist=item.dcp_group is None)
-            if incremental is not None:
-                incremental.digests.update(
-                    {f"{item.dcp_dir}/{key}": d for key, d in writer.digests.items()})
-                incremental.referenced |= writer.referenced
         for path, data in item.blobs.items():
             recorder.add(backend.write_bytes(f"{name}/{path}", data))
         progress.update(item.tensor_bytes + sum(len(b) for b in item.blobs.values()))
+        return writer
+
+    if len(captured) > 1 and all(item.dcp_group is None for item in captured):
+        with ThreadPoolExecutor(len(captured), thread_name_prefix="statereg-component") as pool:
+            writers = list(pool.map(write, captured))
+    else:
+        writers = [write(item) for item in captured]
+    if incremental is not None:
+        for item, writer in zip(captured, writers, strict=True):
+            if writer is not None:
+                incremental.digests.update(
+                    {f"{item.dcp_dir}/{key}": d for key, d in writer.digests.items()})
+                incremental.referenced |= writer.referenced
     prefix = f"{name}/"
     return [WrittenFile(f.path.removeprefix(prefix), f.size, f.checksum) for f in recorder.files()]
 
