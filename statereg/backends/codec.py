@@ -17,6 +17,7 @@ and every `statereg.planes` item carries an xxh3 digest of its original bytes.
 from __future__ import annotations
 
 import io
+import os
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -84,6 +85,8 @@ class CompressionSettings:
 
 
 _local = threading.local()
+# Encoding is CPU-bound: more encoders than cores only contend (with uploads, with the job).
+_CODEC_SLOTS = threading.BoundedSemaphore(os.cpu_count() or 1)
 
 
 def _compressor(key: tuple[Any, ...], make: Callable[[], zstandard.ZstdCompressor],
@@ -458,7 +461,8 @@ class EncodingStream(io.RawIOBase):
         super().close()
         prefix = bytes(self._parts[0])
         suffix = bytes(self._parts[1]) if len(self._parts) > 1 else b""
-        self._encode(prefix, self._body, suffix, self._output.write)
+        with _CODEC_SLOTS:
+            self._encode(prefix, self._body, suffix, self._output.write)
         self._parts, self._body = [bytearray()], None
 
 
