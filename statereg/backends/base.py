@@ -149,6 +149,8 @@ class FileRecorder:
             return sorted(self._files.values(), key=lambda f: f.path)
 
 
+# Files up to this size are read with one request when their size is known.
+_ONE_REQUEST = 32 * 1024 * 1024
 # Writes shorter than this are gathered (up to _GATHER_UP_TO bytes) before they pass on.
 _SMALL_WRITE = 64 * 1024
 _GATHER_UP_TO = 1024 * 1024
@@ -355,9 +357,17 @@ class StorageBackend:
             return self.fs.cat_file(self.full_path(path), start=0, end=limit)
 
     @contextmanager
-    def open_read(self, path: str) -> Iterator[IO[bytes]]:
-        """A seekable stream over the file, fetched with one whole-object read."""
-        yield io.BytesIO(self.read_bytes(path))
+    def open_read(self, path: str, size: int | None = None) -> Iterator[IO[bytes]]:
+        """A seekable stream over the file, fetched with one whole-object read.
+
+        `size`, when the manifest gives it, spares the size request fsspec makes first to
+        choose between one GET and several (a round trip per file; one GET is best below
+        fsspec's block size).
+        """
+        if size is not None and size <= _ONE_REQUEST:
+            yield io.BytesIO(self.read_bytes(path, limit=size))
+        else:
+            yield io.BytesIO(self.read_bytes(path))
 
     def exists(self, path: str) -> bool:
         with self._storage_op("check", path):

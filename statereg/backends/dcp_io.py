@@ -157,15 +157,17 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 class BackendFileSystem(FileSystemBase):
     """DCP's FileSystemBase over a StorageBackend; paths are relative to the backend root."""
 
-    def __init__(self, backend: StorageBackend, recorder: FileRecorder | None = None) -> None:
+    def __init__(self, backend: StorageBackend, recorder: FileRecorder | None = None,
+                 sizes: dict[str, int] | None = None) -> None:
         self.backend = backend
         self.recorder = recorder
+        self.sizes = sizes or {}  # file sizes known from the manifest, by path
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
         path = normalize_path(os.fspath(path))
         if "r" in mode:
-            with self.backend.open_read(path) as stream:
+            with self.backend.open_read(path, self.sizes.get(path)) as stream:
                 yield stream
             return
         on_done = self.recorder.add if self.recorder is not None else None
@@ -373,9 +375,9 @@ class BackendReader(FileSystemReader):
     """DCP storage reader from `path` under the backend root, with safe metadata loading."""
 
     def __init__(self, backend: StorageBackend, path: str, thread_count: int | None = None,
-                 ) -> None:
+                 sizes: dict[str, int] | None = None) -> None:
         super().__init__(path)
-        self.fs = BackendFileSystem(backend)
+        self.fs = BackendFileSystem(backend, sizes=sizes)
         self.path = path
         self.thread_count = thread_count or backend.default_io_threads
         self._backend = backend

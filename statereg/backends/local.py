@@ -176,7 +176,7 @@ class LocalBackend(StorageBackend):
             return f.read() if limit is None else f.read(limit)
 
     @contextmanager
-    def open_read(self, path: str) -> Iterator[IO[bytes]]:
+    def open_read(self, path: str, size: int | None = None) -> Iterator[IO[bytes]]:
         with self._storage_op("open", path):
             # Default buffering: DCP reads whole tensors with readinto, which a large buffer
             # would copy through (measured: half the warm-cache read rate with 8 MiB).

@@ -299,7 +299,12 @@ def test_storage_options_never_reach_the_manifest_or_the_logs(store, monkeypatch
     assert secret not in caplog.text
 
 
-def test_a_second_process_never_sees_a_stale_listing(store):
+def test_a_second_process_never_sees_a_stale_listing(store, compression):
+    if store.kind == "gcs" and compression == "zstd":
+        # Step 2's compressed model file ends in b"\r", which the emulator drops on upload
+        # (tests/reliability/test_roundtrip.py shows it); load then rightly reports the file
+        # one byte short. Real GCS keeps the byte.
+        pytest.skip("gcp-storage-emulator drops an upload's trailing \\r byte")
     writer_run = TinyRun(seed=0)
     writer = manager(store, writer_run, keep_last=1)
     # Its own filesystem instance, as another process would have (fsspec caches instances).
