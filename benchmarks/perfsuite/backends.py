@@ -28,6 +28,9 @@ import fsspec
 from perfsuite.measure import PageCache, Timing, fresh_dir, measure
 from perfsuite.statereg_io import Saves, spec_for
 from perfsuite.workload import TrainingState
+from statereg.backends.base import StorageBackend
+from statereg.backends.gcs import GCSBackend
+from statereg.backends.s3 import S3Backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from storage_servers import gcs_options, new_bucket, s3_options, start_server
@@ -36,6 +39,9 @@ STORES = ("local", "memory", "s3", "gcs")
 # The compressed save is a target on S3 only; on the (slow) GCS emulator it would add minutes.
 COMPRESSED_ON = ("s3",)
 _ZSTD = {"codec": "zstd", "level": 3, "float_aware": True}
+
+
+IO_THREADS = {"s3": S3Backend.default_io_threads, "gcs": GCSBackend.default_io_threads}
 
 
 @dataclass
@@ -91,10 +97,10 @@ def open_store(kind: str, work: Path) -> Iterator[Store]:
         server.stop()
 
 
-def checkpoint_files(state: TrainingState) -> dict[str, bytes]:
-    """The files of one statereg checkpoint of `state`, relative to its root."""
+def checkpoint_files(state: TrainingState, io_threads: int) -> dict[str, bytes]:
+    """The files of one statereg checkpoint of `state` written by `io_threads` writers."""
     root = f"/statereg-bench-reference-{uuid.uuid4().hex[:8]}"
-    saves = Saves(state, spec_for(f"memory://{root}"))
+    saves = Saves(state, spec_for(f"memory://{root}", io_threads=io_threads))
     saves.save()
     fs = fsspec.filesystem("memory")
     files = {path.removeprefix(f"{root}/"): fs.cat_file(path) for path in fs.find(root)}
@@ -123,7 +129,9 @@ def _store_rows(store: Store, state: TrainingState, files: dict[str, bytes], rep
     }
     variants = [("", None)] + ([("_zstd", _ZSTD)] if store.kind in COMPRESSED_ON else [])
     for suffix, compression in variants:
-        saves = Saves(state, spec_for(store.url, options=store.options, compression=compression))
+        # The backend's own io_threads default, as a user gets it (the raw files match it).
+        saves = Saves(state, spec_for(store.url, options=store.options, compression=compression,
+                                      io_threads=None))
         what = "statereg" + (" zstd" if compression else "")
         rows[f"{store.kind}_save{suffix}"] = measure(f"{label}{what} save", saves.save, reps,
                                                      state.nbytes, clear)
@@ -137,11 +145,13 @@ def run(state: TrainingState, work: Path, reps: int, cache: PageCache,
         kinds: list[str]) -> tuple[dict[str, Timing], dict[str, Any]]:
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     os.environ.setdefault("NO_GCE_CHECK", "true")
-    files = checkpoint_files(state)
     rows: dict[str, Timing] = {}
+    data: dict[str, Any] = {"state_bytes": state.nbytes, "checkpoint_files": {}}
     for kind in kinds:
+        threads = IO_THREADS.get(kind, StorageBackend.default_io_threads)
+        files = checkpoint_files(state, threads)
+        data["checkpoint_files"][kind] = len(files)
+        data["checkpoint_bytes"] = sum(map(len, files.values()))
         with open_store(kind, work) as store:
             rows |= _store_rows(store, state, files, reps, cache)
-    data = {"checkpoint_files": len(files), "checkpoint_bytes": sum(map(len, files.values())),
-            "state_bytes": state.nbytes}
     return rows, data

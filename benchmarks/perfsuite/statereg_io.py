@@ -23,8 +23,11 @@ from perfsuite.workload import TrainingState
 
 def spec_for(url: str, *, options: dict[str, Any] | None = None,
              compression: dict[str, Any] | None = None, save: dict[str, Any] | None = None,
-             io_threads: int = 2) -> dict[str, Any]:
-    storage: dict[str, Any] = {"url": url, "options": options or {}, "io_threads": io_threads}
+             io_threads: int | None = 2) -> dict[str, Any]:
+    """None for `io_threads`: the backend's default (2 on disk, 8 on object stores)."""
+    storage: dict[str, Any] = {"url": url, "options": options or {}}
+    if io_threads is not None:
+        storage["io_threads"] = io_threads
     if compression is not None:
         storage["compression"] = compression
     return {"storage": storage, "save": save or {},
