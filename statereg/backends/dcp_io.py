@@ -1,12 +1,14 @@
 """Glue that lets torch.distributed.checkpoint read and write through a StorageBackend.
 
-We reuse DCP's FileSystemWriter/Reader (planning, file splitting, writer threads) and replace
-only the filesystem underneath, for three reasons:
+We reuse DCP's FileSystemWriter/Reader (planning, file splitting, the on-storage format) and
+replace the filesystem underneath, for three reasons:
 - every file is checksummed while it is written and reported to a FileRecorder;
 - the backend is built once with its options (DCP's `reset(checkpoint_id)` would rebuild an
   fsspec filesystem without them);
 - `.metadata` is written in place (no tmp + rename, which object stores cannot do atomically)
   and read back with a restricted unpickler, since a raw `pickle.load` can run code.
+The per-file loops are ours too, for speed with the same bytes on storage: tensors are written
+without torch.save's crc32 and read straight into their destination (see torchsave.py).
 """
 
 from __future__ import annotations
