@@ -5,10 +5,13 @@ stream-transform hooks, so DCP's offsets, metadata and readers keep working:
 
 - `stream.zstd/1` is DCP's own descriptor: a standard zstd frame that plain
   `torch.distributed.checkpoint.load` decodes without statereg.
-- `statereg.planes/1` (float-aware) first groups byte k of every element into plane k, with
-  the sign bit rotated out of bfloat16/float32 exponents so one plane holds exactly the
-  exponents (ZipNN's observation: exponents are highly skewed, mantissas are near random).
-  Each plane is then one zstd frame, or stored raw when zstd cannot shrink it.
+- `statereg.planes/2` (float-aware, tensors of 64 KiB and more) works per block of 1Mi
+  elements: byte k of every element goes to plane k, with the sign bit moved out of
+  bfloat16/float32 exponents so one plane holds exactly the exponents (ZipNN's observation:
+  exponents are highly skewed, mantissas near random). Exponents become 4-bit codes, two to a
+  byte, before zstd; other planes are one zstd frame each, or stored raw when zstd cannot
+  shrink them. torch.save's framing around the tensor is stored as it is.
+  `statereg.planes/1` (whole planes, statereg 0.1) is still decoded.
 
 Decoding is bounded: a frame never inflates past the size DCP's metadata gives for its item,
 and every `statereg.planes` item carries an xxh3 digest of its original bytes.
