@@ -7,8 +7,11 @@ expected dtype, stored uncompressed), its payload can instead be `readinto` the 
 directly. Anything else returns None and the caller keeps DCP's `torch.load` path, so this is
 an optimisation, never a second format.
 
-The zip is read with the standard library's `zipfile` (central directory, zip64), and
-`data.pkl` with an unpickler that admits only what a plain tensor record holds.
+The payload is found by walking the record's local headers from its start (front to back,
+as a cold cache reads best), every size checked against its zip data descriptor; any layout
+that walk does not expect is read through the standard library's `zipfile` (central
+directory, zip64) instead. `data.pkl` is read with an unpickler that admits only what a plain
+tensor record holds.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ _STORAGE_DTYPES = {
     "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
 }
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader
+_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+_DESCRIPTOR = struct.Struct("<4sIII")  # signature, crc32, compressed and plain size
+_DESCRIPTOR64 = struct.Struct("<4sIQQ")
+# The records torch.save writes between data.pkl and the storages.
+_SMALL_RECORDS = {".format_version", ".storage_alignment", "byteorder"}
+# How much of a record's start is read to find its payload (its header takes ~1 KiB).
+_HEAD_BYTES = 4096
 
 
 class _NotPlain(Exception):
@@ -112,11 +122,79 @@ def _read_exact(stream: _Window, start: int, size: int) -> bytes:
     return data
 
 
+def _check_layout(record: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """The payload's size in bytes if `record` is a plain tensor of `dtype` and `shape`."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if (not isinstance(record, _Rebuilt) or record.dtype != dtype or record.size != shape
+            or record.storage_offset != 0 or record.numel != numel
+            or record.stride != _contiguous_strides(shape)):
+        raise _NotPlain("layout")
+    return numel * torch._utils._element_size(dtype)
+
+
+def _skip_descriptor(head: bytes, at: int, size: int) -> int:
+    """Where the next record starts after a member of `size` bytes ending at `at`."""
+    if head[at:at + 4] != _DESCRIPTOR_SIGNATURE:
+        raise _NotPlain("data descriptor")
+    if _DESCRIPTOR.unpack_from(head, at)[2:] == (size, size):
+        return at + _DESCRIPTOR.size
+    if _DESCRIPTOR64.unpack_from(head, at)[2:] == (size, size):
+        return at + _DESCRIPTOR64.size
+    raise _NotPlain("data descriptor sizes")
+
+
+def _walk_head(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(start, size) of the payload, from the first bytes of a record alone.
+
+    torch.save writes data.pkl, three tiny records, then the storage, each with its sizes in
+    a descriptor after its data; walking them in order reads the record front to back, which
+    a cold cache's readahead serves, where the central directory sits after the payload.
+    Every size is checked against its descriptor; anything unexpected raises _NotPlain.
+    """
+    pos, record, order = 0, None, None
+    while True:
+        fields = _LOCAL_HEADER.unpack_from(head, pos)
+        flags, method, csize, name_len, extra_len = fields[3], fields[4], fields[8], \
+            fields[10], fields[11]
+        if fields[0] != zipfile.stringFileHeader or method != zipfile.ZIP_STORED:
+            raise _NotPlain("local header")
+        start = pos + _LOCAL_HEADER.size + name_len + extra_len
+        member = head[pos + _LOCAL_HEADER.size:start - extra_len].decode("utf-8").split("/", 1)[-1]
+        if record is not None and member == f"data/{record.key}":
+            if order != sys.byteorder.encode():
+                raise _NotPlain("byte order")
+            return start, _check_layout(record, dtype, shape)
+        if member == "data.pkl":
+            pickled = io.BytesIO(head[start:])
+            record = _TensorRecordUnpickler(pickled).load()
+            size = pickled.tell()
+        elif member in _SMALL_RECORDS:
+            size = head.find(_DESCRIPTOR_SIGNATURE, start) - start if flags & 8 else csize
+            if size < 0:
+                raise _NotPlain("unterminated record")
+            if member == "byteorder":
+                order = head[start:start + size]
+        else:
+            raise _NotPlain(member)
+        pos = _skip_descriptor(head, start + size, size) if flags & 8 else start + size
+
+
 def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
-             shape: tuple[int, ...]) -> int | None:
-    """Offset in `stream` of the raw bytes of the record at [offset, offset+length), if plain."""
+             shape: tuple[int, ...]) -> tuple[int, bool] | None:
+    """Offset in `stream` of the raw bytes of the record at [offset, offset+length), if plain,
+    and whether a data descriptor after them must confirm their size."""
     window = _Window(stream, offset, length)
     try:
+        head = _read_exact(window, 0, min(length, _HEAD_BYTES))
+        start, nbytes = _walk_head(head, dtype, shape)
+        if start + nbytes + _DESCRIPTOR.size <= length:
+            return offset + start, True
+    except (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
+            IndexError, struct.error, UnicodeDecodeError):
+        pass
+    try:  # the zip's central directory, at the record's end: any layout torch may write
         archive = zipfile.ZipFile(window)
         names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
         for name in ("data.pkl", "byteorder"):
@@ -126,19 +204,11 @@ def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
         if order.decode("ascii", "replace") != sys.byteorder:
             raise _NotPlain("byte order")
         record = _TensorRecordUnpickler(io.BytesIO(_member(window, names["data.pkl"]))).load()
-        if not isinstance(record, _Rebuilt):
-            raise _NotPlain("not a tensor")
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if (record.dtype != dtype or record.size != shape or record.storage_offset != 0
-                or record.numel != numel or record.stride != _contiguous_strides(shape)):
-            raise _NotPlain("layout")
+        nbytes = _check_layout(record, dtype, shape)
         data = names.get(f"data/{record.key}")
-        nbytes = numel * torch._utils._element_size(dtype)
         if data is None or data.compress_type != zipfile.ZIP_STORED or data.file_size != nbytes:
             raise _NotPlain("payload")
-        return offset + _member_start(window, data)
+        return offset + _member_start(window, data), False
     except (_NotPlain, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError,
             TypeError, KeyError, IndexError, struct.error):
         return None
@@ -178,16 +248,24 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor)
     if (target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0
             or target.is_quantized or target.is_sparse):
         return False
-    start = _payload(stream, offset, length, target.dtype, tuple(target.shape))
-    if start is None:
+    found = _payload(stream, offset, length, target.dtype, tuple(target.shape))
+    if found is None:
         return False
-    view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+    start, check_descriptor = found
+    data = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
     stream.seek(start)
+    view = data
     while view:
         got = stream.readinto(view)
         if not got:
             raise EOFError(f"stream ended {len(view)} bytes before the tensor's end")
         view = view[got:]
+    if check_descriptor:
+        trailer = stream.read(min(_DESCRIPTOR64.size, offset + length - start - len(data)))
+        try:
+            _skip_descriptor(trailer + bytes(_DESCRIPTOR64.size), 0, len(data))
+        except (_NotPlain, struct.error):
+            return False  # not what the header walk assumed: the caller reloads it whole
     return True
 
 

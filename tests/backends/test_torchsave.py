@@ -76,3 +76,27 @@ def test_damaged_or_truncated_records_are_declined():
     whole = stream.getvalue()
     assert not torchsave.read_into(io.BytesIO(whole[:offset + 2000]), offset, length,
                                    torch.zeros(4096))
+
+
+def test_the_payload_is_found_from_the_record_head_alone(monkeypatch):
+    tensor = torch.randn(300, 7)
+    stream, offset, length = record(tensor)
+
+    def no_central_directory(*args: object) -> None:
+        raise AssertionError("the head walk should have found the payload")
+
+    monkeypatch.setattr(torchsave.zipfile, "ZipFile", no_central_directory)
+    target = torch.zeros(300, 7)
+    assert torchsave.read_into(stream, offset, length, target)
+    assert torch.equal(target, tensor)
+
+
+def test_a_head_the_walk_cannot_follow_is_read_through_the_central_directory():
+    tensor = torch.randn(64)
+    stream, offset, length = record(tensor)
+    data = bytearray(stream.getvalue())
+    descriptor = data.index(b"PK\x07\x08", offset)  # the one after data.pkl
+    data[descriptor + 8] ^= 0xFF  # its compressed size no longer matches the pickle
+    target = torch.zeros(64)
+    assert torchsave.read_into(io.BytesIO(bytes(data)), offset, length, target)
+    assert torch.equal(target, tensor)
