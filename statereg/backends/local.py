@@ -70,14 +70,18 @@ class _WritebackFile:
     def __init__(self, file: IO[bytes]) -> None:
         self._file = file
         self._written = self._started = 0
+        self._advise = True
 
     def write(self, data: Any) -> int:
         count = self._file.write(data)
         self._written += count
-        if self._written - self._started >= _WRITEBACK_EVERY:
+        if self._advise and self._written - self._started >= _WRITEBACK_EVERY:
             self._file.flush()
-            os.posix_fadvise(self._file.fileno(), self._started, self._written - self._started,
-                             os.POSIX_FADV_DONTNEED)
+            try:
+                os.posix_fadvise(self._file.fileno(), self._started,
+                                 self._written - self._started, os.POSIX_FADV_DONTNEED)
+            except OSError:  # a filesystem without it: the final fsync does all the work
+                self._advise = False
             self._started = self._written
         return count
 
