@@ -223,28 +223,29 @@ def _nibble_exponents(exponents: np.ndarray, settings: CompressionSettings,
                      escapes.tobytes()])
 
 
+def _damaged(source: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{source}: float-aware item is damaged ({what})")
+
+
 def _unnibble_exponents(chunk: memoryview, count: int, source: str) -> np.ndarray:
     """Invert `_nibble_exponents`."""
-    def damaged(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{source}: float-aware item is damaged ({what})")
-
     if len(chunk) < _NIBBLE_HEADER.size:
-        raise damaged("exponent plane is truncated")
+        raise _damaged(source, "exponent plane is truncated")
     base, escape_count = _NIBBLE_HEADER.unpack_from(chunk)
     if escape_count > count or _NIBBLE_HEADER.size + escape_count > len(chunk):
-        raise damaged("exponent escapes overrun the plane")
+        raise _damaged(source, "exponent escapes overrun the plane")
     half = (count + 1) // 2
     packed = np.frombuffer(decode_zstd(chunk[_NIBBLE_HEADER.size:len(chunk) - escape_count],
                                        half, source), dtype=np.uint8)
     if len(packed) != half:
-        raise damaged(f"exponent plane holds {2 * len(packed)} codes, expected {count}")
+        raise _damaged(source, f"exponent plane holds {2 * len(packed)} codes, expected {count}")
     codes = np.empty(2 * half, dtype=np.uint8)
     np.right_shift(packed, 4, out=codes[0::2])
     np.bitwise_and(packed, 15, out=codes[1::2])
     codes = codes[:count]
     escaped = (codes == 0).nonzero()[0]
     if len(escaped) != escape_count:
-        raise damaged("exponent escapes do not match their codes")
+        raise _damaged(source, "exponent escapes do not match their codes")
     np.add(codes, np.uint8((base - 1) % 256), out=codes)
     codes[escaped] = np.frombuffer(chunk[len(chunk) - escape_count:], dtype=np.uint8)
     return codes
@@ -293,19 +294,16 @@ def decode_zstd(frame: bytes, bound: int, source: str) -> bytes:
 def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearray:
     """Invert `encode_planes`, checking every length against the blob and `bound`."""
 
-    def damaged(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{source}: float-aware item is damaged ({what})")
-
     blob = memoryview(blob)
     if len(blob) >= 4 and bytes(blob[:4]) == _MAGIC_V1:
         return _decode_planes_v1(blob, bound, source)
     if len(blob) < _HEADER.size:
-        raise damaged("shorter than its header")
+        raise _damaged(source, "shorter than its header")
     magic, elem_size, rotate, block_elems, prefix_len, body_len, suffix_len, digest = \
         _HEADER.unpack_from(blob)
     if (magic != _MAGIC or elem_size not in _UINT or rotate > 1 or block_elems < 1
             or body_len % elem_size):
-        raise damaged("bad header")
+        raise _damaged(source, "bad header")
     total = prefix_len + body_len + suffix_len
     if total > bound:
         raise CorruptCheckpointError(
@@ -319,7 +317,7 @@ def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearra
         nonlocal pos
         chunk = blob[pos:pos + length]
         if len(chunk) != length:
-            raise damaged(f"{what} is truncated")
+            raise _damaged(source, f"{what} is truncated")
         pos += length
         return chunk
 
@@ -342,9 +340,9 @@ def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearra
             elif mode == _NIBBLES and rotate and k == elem_size - 1:
                 plane = _unnibble_exponents(chunk, count, source)
             else:
-                raise damaged(f"plane {k} has unknown mode {mode}")
+                raise _damaged(source, f"plane {k} has unknown mode {mode}")
             if len(plane) != count:
-                raise damaged(f"plane {k} holds {len(plane)} bytes, expected {count}")
+                raise _damaged(source, f"plane {k} holds {len(plane)} bytes, expected {count}")
             planes.append(np.frombuffer(plane, dtype=np.uint8))
         if rotate:
             top, nxt = planes[-1], planes[-2]
@@ -354,23 +352,20 @@ def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearra
             block[:, k] = planes[k]
     out[prefix_len + body_len:] = take(suffix_len, "suffix")
     if pos != len(blob):
-        raise damaged(f"{len(blob) - pos} unexpected trailing bytes")
+        raise _damaged(source, f"{len(blob) - pos} unexpected trailing bytes")
     if xxhash.xxh3_64_intdigest(out) != digest:
-        raise damaged("its digest does not match the decoded bytes")
+        raise _damaged(source, "its digest does not match the decoded bytes")
     return out
 
 
 def _decode_planes_v1(blob: memoryview, bound: int, source: str) -> bytearray:
     """Decode the first float-aware layout (whole planes, sign rotated through every byte)."""
 
-    def damaged(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{source}: float-aware item is damaged ({what})")
-
     if len(blob) < _HEADER_V1.size:
-        raise damaged("shorter than its header")
+        raise _damaged(source, "shorter than its header")
     magic, elem_size, rotate, raw_len, digest = _HEADER_V1.unpack_from(blob)
     if magic != _MAGIC_V1 or elem_size not in _UINT or rotate > 1:
-        raise damaged("bad header")
+        raise _damaged(source, "bad header")
     if raw_len > bound:
         raise CorruptCheckpointError(
             f"{source}: a compressed item declares {raw_len} bytes, more than the {bound} its "
@@ -379,27 +374,27 @@ def _decode_planes_v1(blob: memoryview, bound: int, source: str) -> bytearray:
     count, tail_len = divmod(raw_len, elem_size)
     pos = _HEADER_V1.size + elem_size * _PLANE_V1.size
     if len(blob) < pos:
-        raise damaged("truncated plane index")
+        raise _damaged(source, "truncated plane index")
     out = bytearray(raw_len)
     columns = np.frombuffer(out, dtype=np.uint8, count=count * elem_size).reshape(-1, elem_size)
     for k in range(elem_size):
         mode, length = _PLANE_V1.unpack_from(blob, _HEADER_V1.size + k * _PLANE_V1.size)
         chunk = blob[pos:pos + length]
         if len(chunk) != length:
-            raise damaged(f"plane {k} is truncated")
+            raise _damaged(source, f"plane {k} is truncated")
         if mode == _RAW:
             plane = chunk
         elif mode == _ZSTD:
             plane = decode_zstd(chunk, count, source)
         else:
-            raise damaged(f"plane {k} has unknown mode {mode}")
+            raise _damaged(source, f"plane {k} has unknown mode {mode}")
         if len(plane) != count:
-            raise damaged(f"plane {k} holds {len(plane)} bytes, expected {count}")
+            raise _damaged(source, f"plane {k} holds {len(plane)} bytes, expected {count}")
         columns[:, k] = np.frombuffer(plane, dtype=np.uint8)
         pos += length
     tail = blob[pos:]
     if len(tail) != tail_len:
-        raise damaged(f"{len(tail)} trailing bytes, expected {tail_len}")
+        raise _damaged(source, f"{len(tail)} trailing bytes, expected {tail_len}")
     if rotate:
         words = columns.view(_UINT[elem_size]).reshape(-1)
         low = words >> 1
@@ -407,7 +402,7 @@ def _decode_planes_v1(blob: memoryview, bound: int, source: str) -> bytearray:
         words |= low
     out[count * elem_size:] = tail
     if xxhash.xxh3_64_intdigest(out) != digest:
-        raise damaged("its digest does not match the decoded bytes")
+        raise _damaged(source, "its digest does not match the decoded bytes")
     return out
 
 

@@ -349,20 +349,18 @@ class CompressingTransforms(_StorageWriterTransforms):
     def transform_save_stream(self, write_item: WriteItem, raw_stream: io.IOBase,
                               ) -> tuple[Any, list[str]]:
         settings = self.settings
+
+        def zstd(prefix: bytes, body: memoryview | None, suffix: bytes, write: Any) -> None:
+            codec.encode_zstd_parts(prefix, body, suffix, settings, write)
+
         if write_item.type == WriteItemType.BYTE_IO or write_item.tensor_data is None:
-            return (codec.EncodingStream(raw_stream, lambda prefix, body, suffix, write:
-                                         codec.encode_zstd_parts(prefix, body, suffix, settings,
-                                                                 write)),
-                    [codec.ZSTD_DESCRIPTOR])
+            return codec.EncodingStream(raw_stream, zstd), [codec.ZSTD_DESCRIPTOR]
         dtype = write_item.tensor_data.properties.dtype
         body_size = (write_item.tensor_data.chunk.sizes.numel()
                      * torch._utils._element_size(dtype))
         layout = codec.float_layout(dtype) if settings.float_aware else None
         if layout is None or body_size < codec.MIN_PLANES_BYTES:
-            return (codec.EncodingStream(raw_stream, lambda prefix, body, suffix, write:
-                                         codec.encode_zstd_parts(prefix, body, suffix, settings,
-                                                                 write), body_size),
-                    [codec.ZSTD_DESCRIPTOR])
+            return codec.EncodingStream(raw_stream, zstd, body_size), [codec.ZSTD_DESCRIPTOR]
         size, rotate = layout
 
         def encode(prefix: bytes, body: memoryview | None, suffix: bytes, write: Any) -> None:
