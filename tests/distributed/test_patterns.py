@@ -35,7 +35,9 @@ class Counter:
 
 def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 64))  # data outweighs framing
+    # Data outweighs framing; BatchNorm brings a 0-dim buffer (num_batches_tracked), which
+    # replica validation must hash too.
+    return nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 64), nn.BatchNorm1d(64))
 
 
 def _data_bytes(url: str, options: dict[str, Any], component: str) -> int:
