@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -15,6 +15,14 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = "1.1"  # 1.1: FileRecord.codec, references, digests
 # A manifest lists files and small metadata; anything larger is not one we wrote.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+# What statereg writes is a few levels deep (`extra` and `meta` hold the user's JSON, so
+# allow far more); deeper is hostile and would recurse through the JSON decoder, pydantic
+# and every printer.
+MAX_MANIFEST_DEPTH = 256
+# Python's default bound on int() digits (quadratic past it), applied even where a process
+# lifted that bound: statereg's own integers have at most 20 digits, and save() cannot
+# write a longer one under the default bound either.
+MAX_INT_DIGITS = 4300
 
 _CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
@@ -133,19 +141,94 @@ class Manifest(_Record):
         return own + list(self.references)
 
 
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most "
+                         f"{MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON (statereg writes no NaN or Infinity)")
+
+
+def nesting_depth(value: Any) -> int:
+    """How deeply lists and objects nest in `value` (iterative: hostile depth cannot recurse)."""
+    deepest, level = 0, [value] if isinstance(value, (dict, list)) else []
+    while level and deepest <= MAX_MANIFEST_DEPTH:
+        deepest += 1
+        level = [child for item in level
+                 for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+    return deepest
+
+
+def _decode(data: bytes, source: str) -> dict[str, Any]:
+    """The JSON object in `data`; any defect, hostile ones included, is a ManifestError."""
+    try:
+        raw = json.loads(data, parse_int=_bounded_int, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ManifestError(
+            f"{source}: manifest nests lists or objects too deeply to be one statereg wrote; "
+            "this checkpoint is damaged: load an earlier one"
+        ) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and the bounds above
+        raise ManifestError(
+            f"{source}: manifest is not valid JSON ({exc}); this checkpoint is damaged: "
+            "load an earlier one"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{source}: manifest must be a JSON object")
+    if nesting_depth(raw) > MAX_MANIFEST_DEPTH:
+        raise ManifestError(
+            f"{source}: manifest nests lists or objects more than {MAX_MANIFEST_DEPTH} deep; "
+            "this checkpoint is damaged: load an earlier one"
+        )
+    return raw
+
+
+def _newer_minor(raw: dict[str, Any]) -> bool:
+    """Whether `raw` is from a newer minor version of the format major this reader reads."""
+    version = str(raw.get("format_version", "")).split(".")
+    ours = FORMAT_VERSION.split(".")
+    return len(version) == 2 and version[0] == ours[0] and version[1].isdigit() \
+        and int(version[1]) > int(ours[1])
+
+
+def _known_fields(value: Any, annotation: Any) -> Any:
+    """`value` without the object keys that `annotation` (a record, or lists/dicts of them)
+    does not declare: the fields a newer minor version added."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if not isinstance(value, dict):
+            return value
+        fields = annotation.model_fields
+        return {key: _known_fields(item, fields[key].annotation)
+                for key, item in value.items() if key in fields}
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is list and isinstance(value, list):
+        return [_known_fields(item, args[0]) for item in value]
+    if origin is dict and isinstance(value, dict):
+        return {key: _known_fields(item, args[1]) for key, item in value.items()}
+    return value
+
+
 def parse_manifest(data: bytes, source: str) -> Manifest:
-    """Parse and validate manifest bytes read from `source`; any defect is a ManifestError."""
+    """Parse and validate manifest bytes read from `source`; any defect is a ManifestError.
+
+    Bounded in size, nesting depth and integer length, so a hostile manifest is one damaged
+    checkpoint (listings skip it, a load falls back past it), never a broken root.
+    """
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(
             f"{source}: manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} byte bound; "
             "it was not written by statereg"
         )
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{source}: manifest is not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ManifestError(f"{source}: manifest must be a JSON object")
+    raw = _decode(data, source)
+    if _newer_minor(raw):
+        # A newer 1.x adds only optional fields (docs/manifest.md): ignore what this reader
+        # does not know. Its own and older versions stay strict: an unknown field there
+        # is damage.
+        raw = _known_fields(raw, Manifest)
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 
 import pytest
 
 import statereg
 from statereg.schemas import FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
-from statereg.schemas.manifest import MAX_MANIFEST_BYTES
+from statereg.schemas.manifest import (
+    MAX_INT_DIGITS,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_DEPTH,
+    nesting_depth,
+)
 
 SOURCE = "memory://run/step_00000010/manifest.json"
 CHECKSUM = "xxh3_64:0123456789abcdef"
@@ -202,3 +208,74 @@ def test_a_component_naming_a_file_not_in_files_is_rejected():
 )
 def test_bytes_that_are_not_a_json_object_are_rejected(data, expected):
     assert expected in manifest_error(data)
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b"[" * 3000 + b"]" * 3000, "nests lists or objects too deeply"),
+        (b'{"a":' * 3000 + b"1" + b"}" * 3000, "nests lists or objects too deeply"),
+        (b'{"step": ' + b"9" * 5000 + b"}", "an integer of 5000 digits (at most 4300)"),
+        (b'{"step": -' + b"9" * 5000 + b"}", "an integer of 5000 digits (at most 4300)"),
+        (b'{"step": NaN}', "NaN is not JSON"),
+        (b'{"step": -Infinity}', "-Infinity is not JSON"),
+        (b'{"note": "\xc3\x28"}', "not valid JSON ('utf-8' codec can't decode"),
+        (b'"a string"', "must be a JSON object"),
+        (b"null", "must be a JSON object"),
+        (b"", "not valid JSON"),
+    ],
+    ids=["3000-nested-lists", "3000-nested-objects", "5000-digit-int", "negative-5000-digit-int",
+         "nan", "infinity", "invalid-utf8", "string", "null", "empty"],
+)
+def test_hostile_manifest_bytes_are_a_manifest_error_naming_the_file(data, expected):
+    """Each of these once escaped as RecursionError / ValueError and bricked the whole root."""
+    message = manifest_error(data)
+    assert expected in message
+    assert "load an earlier one" in message or "JSON object" in message
+
+
+def test_nesting_under_the_recursion_limit_but_over_the_bound_is_refused():
+    data = valid_manifest_data()
+    data["extra"] = {"deep": _nested(MAX_MANIFEST_DEPTH)}
+    assert f"more than {MAX_MANIFEST_DEPTH} deep" in manifest_error(encoded(data))
+
+
+def test_user_extra_as_deep_and_long_as_the_bounds_allow_still_reads():
+    data = valid_manifest_data()
+    data["extra"] = {"deep": _nested(MAX_MANIFEST_DEPTH - 2), "seed": 10 ** (MAX_INT_DIGITS - 1)}
+    manifest = parse_manifest(encoded(data), SOURCE)
+    assert manifest.extra["seed"] == 10 ** (MAX_INT_DIGITS - 1)
+    assert nesting_depth(manifest.model_dump()) == MAX_MANIFEST_DEPTH
+
+
+def test_the_integer_bound_holds_even_where_the_process_lifted_pythons_limit():
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        message = manifest_error(b'{"step": ' + b"7" * 100_000 + b"}")
+    finally:
+        sys.set_int_max_str_digits(old)
+    assert "an integer of 100000 digits" in message
+
+
+def test_a_newer_minor_version_with_unknown_fields_still_reads():
+    """A 1.x reader reads 1.(x+1): minor versions only add optional fields, which it ignores."""
+    major = FORMAT_VERSION.split(".")[0]
+    data = valid_manifest_data()
+    data["format_version"] = f"{major}.99"
+    data["retention_hint"] = {"keep": True}
+    data["files"][0]["storage_class"] = "cold"
+    data["components"]["model"]["layout"] = "v2"
+    manifest = parse_manifest(encoded(data), SOURCE)
+    assert manifest.format_version == f"{major}.99"
+    assert manifest.files[0].path == "model/.metadata"
+    assert manifest.components["model"].tensors == 2
+    assert "retention_hint" not in json.loads(manifest.to_json())
+
