@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +25,23 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options.update(load_spec(args.spec).storage.options)
     options.update(_json_options(args.options, "--options"))
     return options
+
+
+def _checkpoint_url(text: str) -> str:
+    """A checkpoint argument: a local path made absolute, so that its last segment names the
+    checkpoint directory ('.' inside one works); a URL as given. One that names no directory
+    ('/', 's3://') is refused: it would read manifest.json from the current directory."""
+    if "://" in text:
+        url, segment = text, text.partition("://")[2].rstrip("/").rpartition("/")[2]
+    else:
+        url = os.path.abspath(text)
+        segment = url.rpartition("/")[2]
+    if segment in ("", ".", ".."):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names no checkpoint directory; give one, e.g. "
+            "./checkpoints/step_00000100 or s3://bucket/run/step_00000100"
+        )
+    return url
 
 
 def _model_bytes(factory: str, spec: Any) -> dict[str, int]:
@@ -93,7 +112,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     except CheckpointNotFoundError:
         if args.json:  # there is no manifest to print
             raise
-        from statereg.formats.interop import describe_foreign
+        from statereg.interop import describe_foreign
 
         print(describe_foreign(args.url, _options(args)))  # plain DCP or safetensors, or raise
         return
@@ -105,7 +124,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
     from statereg.engine.report import format_bytes
-    from statereg.formats.interop import export_hf
+    from statereg.interop import export_hf
     from statereg.schemas.spec import parse_size
 
     try:
@@ -173,12 +192,15 @@ def _duration(text: str) -> float:
         seconds = float(value) * units[unit]
     except ValueError:
         raise SpecError(f"--grace {text!r}: write seconds or e.g. 30m, 1h, 2d") from None
-    if seconds < 0:
-        raise SpecError(f"--grace {text!r} must not be negative")
+    # float() also reads 'nan' and 'inf': a NaN grace compares false with every age, so
+    # it would delete what a running save is writing.
+    if not math.isfinite(seconds) or seconds < 0:
+        raise SpecError(f"--grace {text!r} must be a finite, non-negative duration: write "
+                        "seconds or e.g. 30m, 1h, 2d")
     return seconds
 
 
-def cmd_gc(args: argparse.Namespace) -> None:
+def cmd_gc(args: argparse.Namespace) -> int:
     from statereg.backends.registry import open_backend
     from statereg.engine.gc import collect_garbage
     from statereg.engine.report import format_bytes, format_table
@@ -187,7 +209,7 @@ def cmd_gc(args: argparse.Namespace) -> None:
     found = collect_garbage(backend, delete=args.delete, grace_s=_duration(args.grace))
     if not found:
         print(f"no leftovers in {backend.url}")
-        return
+        return 0
     rows = [("path", "what", "size", "age", "action")]
     for item in found:
         age = "-" if item.age_s is None else f"{item.age_s:.0f} s"
@@ -195,11 +217,17 @@ def cmd_gc(args: argparse.Namespace) -> None:
     print("\n".join(format_table(rows)))
     removable = [f for f in found if f.deletable]
     size = format_bytes(sum(f.size for f in removable))
-    if args.delete:
-        print(f"deleted {len(removable)} of {len(found)} leftovers ({size})")
-    else:
+    if not args.delete:
         print(f"dry run: {len(removable)} of {len(found)} leftovers ({size}) would be deleted; "
               "run again with --delete to remove them")
+        return 0
+    print(f"deleted {len(removable)} of {len(found)} leftovers ({size})")
+    failed = [f.path for f in found if f.action.startswith("failed")]
+    if failed:
+        print(f"statereg gc: error: {len(failed)} deletions failed ({', '.join(failed)}); "
+              "the action column says why: fix that and run gc again", file=sys.stderr)
+        return 1
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,13 +257,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_ls)
 
     p = sub.add_parser("inspect", help="show a checkpoint's manifest: components, sizes, versions")
-    p.add_argument("url", help="checkpoint path or URL, e.g. ./checkpoints/step_00000100")
+    p.add_argument("url", type=_checkpoint_url,
+                   help="checkpoint path or URL, e.g. ./checkpoints/step_00000100")
     p.add_argument("--json", action="store_true", help="print the raw manifest")
     storage_args(p)
     p.set_defaults(run=cmd_inspect)
 
     p = sub.add_parser("verify", help="recompute every file's size and checksum")
-    p.add_argument("url", help="checkpoint path or URL")
+    p.add_argument("url", type=_checkpoint_url, help="checkpoint path or URL")
     storage_args(p)
     p.set_defaults(run=cmd_verify)
 
@@ -251,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export-hf",
                        help="write a checkpoint's model as a Hugging Face safetensors directory")
-    p.add_argument("url", help="checkpoint path or URL")
+    p.add_argument("url", type=_checkpoint_url, help="checkpoint path or URL")
     p.add_argument("out_dir", help="directory (path or URL) for the safetensors files")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
                    help="convert floating-point tensors (default: as saved)")
@@ -263,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_export_hf)
 
     p = sub.add_parser("cp", help="copy a committed checkpoint to another root (any backends)")
-    p.add_argument("src", help="checkpoint URL, e.g. s3://bkt/run/step_00000100")
+    p.add_argument("src", type=_checkpoint_url,
+                   help="checkpoint URL, e.g. s3://bkt/run/step_00000100")
     p.add_argument("dst", help="destination root; the checkpoint keeps its name")
     p.add_argument("--compression", choices=("zstd", "zstd-plain", "none"),
                    help="rewrite tensor files: zstd (float-aware), zstd-plain (readable by "
@@ -280,13 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.run(args)
+        code = args.run(args)
     except StateregError as exc:
         print(f"statereg {args.command}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SpecError) else 1
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

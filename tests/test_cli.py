@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -159,3 +163,95 @@ def test_plan_with_a_model_shows_bytes_each_rank_writes(
     assert " - " in lines["sched"]
     assert main(["plan", str(yaml_file), "--model", "no_such_module:build"]) == 2
     assert "no_such_module:build" in capsys.readouterr().err
+
+
+def test_hostile_manifests_are_damaged_checkpoints_not_a_broken_root(
+    committed: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """7 KB of nested `[` or a 5,000-digit integer once broke load, ls and gc for the root."""
+    (committed / "step_00000010" / "manifest.json").write_bytes(b"[" * 3000 + b"]" * 3000)
+    (committed / "step_00000020").mkdir()
+    (committed / "step_00000020" / "manifest.json").write_bytes(
+        b'{"step": ' + b"9" * 5000 + b"}")
+    assert main(["ls", str(committed)]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000005" in out and "step_00000010" not in out
+    assert main(["gc", str(committed)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "step_000000" in line]
+    assert len(rows) == 2 and all("does not parse" in row for row in rows)
+    assert main(["inspect", str(committed / "step_00000020")]) == 1
+    err = capsys.readouterr().err
+    assert "step_00000020/manifest.json" in err and "5000 digits" in err
+    assert "Traceback" not in err
+    mgr = statereg.CheckpointManager(_spec(committed), model=nn.Linear(4, 3))
+    assert mgr.load().step == 5
+
+
+@pytest.mark.parametrize("grace", ["nan", "NaN", "inf", "-infm", "-5", "-1h"])
+def test_gc_refuses_a_grace_that_is_not_a_finite_non_negative_duration(
+    tmp_path: Path, grace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN grace once read as 0: every leftover, even one a save was writing, looked old."""
+    leftover = tmp_path / "step_00000007"
+    leftover.mkdir()
+    (leftover / "data.bin").write_bytes(b"x")
+    assert main(["gc", str(tmp_path), f"--grace={grace}", "--delete"]) == 2
+    err = capsys.readouterr().err
+    assert f"--grace {grace!r} must be a finite, non-negative duration" in err
+    assert (leftover / "data.bin").exists()
+
+
+@contextlib.contextmanager
+def _undeletable(path: Path) -> Iterator[None]:
+    """Make `path` (a file) impossible to delete: read-only parent, or immutable as root."""
+    if os.geteuid() != 0:
+        path.parent.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.parent.chmod(0o755)
+        return
+    chattr = shutil.which("chattr")
+    if chattr is None or subprocess.run([chattr, "+i", str(path)]).returncode != 0:
+        pytest.skip("running as root on a file system without chattr +i: nothing refuses a delete")
+    try:
+        yield
+    finally:
+        subprocess.run([chattr, "-i", str(path)], check=True)
+
+
+def test_gc_delete_exits_non_zero_when_a_deletion_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stuck = tmp_path / "step_00000007"
+    stuck.mkdir()
+    (stuck / "data.bin").write_bytes(b"x" * 10)
+    gone = tmp_path / "step_00000008"
+    gone.mkdir()
+    (gone / "data.bin").write_bytes(b"y" * 10)
+    with _undeletable(stuck / "data.bin"):
+        assert main(["gc", str(tmp_path), "--grace", "0", "--delete"]) == 1
+    captured = capsys.readouterr()
+    row = next(line for line in captured.out.splitlines() if "step_00000007" in line)
+    assert "failed:" in row
+    assert "1 deletions failed (step_00000007)" in captured.err
+    assert not gone.exists() and (stuck / "data.bin").exists()
+    assert main(["gc", str(tmp_path), "--grace", "0", "--delete"]) == 0  # now it can
+    assert not stuck.exists()
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect", "export-hf", "cp"])
+@pytest.mark.parametrize("url", ["/", "s3://", "memory://"])
+def test_a_url_naming_no_checkpoint_is_refused_not_read_from_the_current_directory(
+    committed: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    command: str, url: str,
+) -> None:
+    """`verify /` once read ./manifest.json: here the current directory is a checkpoint."""
+    monkeypatch.chdir(committed / "step_00000010")
+    extra = {"export-hf": ["out"], "cp": ["elsewhere"]}.get(command, [])
+    with pytest.raises(SystemExit) as info:
+        main([command, url, *extra])
+    assert info.value.code == 2
+    assert f"{url!r} names no checkpoint directory" in capsys.readouterr().err
+    assert main(["verify", "."]) == 0  # '.' is the checkpoint directory it stands in
+    assert f"ok: {committed / 'step_00000010'}: " in capsys.readouterr().out

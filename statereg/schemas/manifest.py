@@ -24,9 +24,10 @@ MAX_MANIFEST_DEPTH = 256
 # write a longer one under the default bound either.
 MAX_INT_DIGITS = 4300
 
-_CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
+# \Z, not $: `$` also matches before a trailing newline.
+_CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}\Z")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
-_CHECKPOINT_DIR = re.compile(r"^step_\d{8,}$")
+_CHECKPOINT_DIR = re.compile(r"^step_\d{8,}\Z")
 
 
 def check_relative_path(path: str) -> str:

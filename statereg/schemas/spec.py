@@ -60,7 +60,8 @@ def parse_size(value: int | str) -> int:
     return size
 
 # Component names become directory names on storage, so keep them portable.
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
+# \Z, not $: `$` also matches before a trailing newline, which would let "model\n" through.
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}\Z")
 
 
 class _Declared(BaseModel):

@@ -153,6 +153,10 @@ FIELD_DEFECTS = [
     (lambda d: d.update(files="model/.metadata"), "files"),
     (lambda d: d["files"][1].update(size="large"), "files.1.size"),
     (lambda d: d["files"][2].update(checksum="md5:abc"), "files.2.checksum"),
+    (lambda d: d["files"][2].update(checksum=CHECKSUM + "\n"), "files.2.checksum"),
+    (lambda d: d.update(references=[
+        {"path": "step_00000005\n/model/x.distcp", "size": 1, "checksum": CHECKSUM}]),
+     "references"),
     (lambda d: d["components"]["model"].update(kind="module"), "components.model.kind"),
     (lambda d: d["components"]["rng"].update(files="rng/rank_00000.json"),
      "components.rng.files"),

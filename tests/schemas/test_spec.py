@@ -354,6 +354,15 @@ def test_component_name_must_be_portable(write_yaml):
     assert "directory name" in message
 
 
+@pytest.mark.parametrize("name", ["model\n", "model\r\n", "\nmodel"])
+def test_component_name_with_a_newline_is_refused(name):
+    """`$` matches before a trailing newline; the check must not let "model\\n" through."""
+    with pytest.raises(statereg.SpecError) as info:
+        statereg.load_spec({"storage": {"url": "x"}, "components": {name: {"kind": "model"}}})
+    assert repr(name) in str(info.value)
+    assert "directory name" in str(info.value)
+
+
 def test_json_format_cannot_hold_model_tensors(write_yaml):
     path = write_yaml("""\
         storage: {url: x}
