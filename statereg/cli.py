@@ -112,7 +112,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     except CheckpointNotFoundError:
         if args.json:  # there is no manifest to print
             raise
-        from statereg.interop import describe_foreign
+        from statereg.formats.interop import describe_foreign
 
         print(describe_foreign(args.url, _options(args)))  # plain DCP or safetensors, or raise
         return
@@ -124,7 +124,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
     from statereg.engine.report import format_bytes
-    from statereg.interop import export_hf
+    from statereg.formats.interop import export_hf
     from statereg.schemas.spec import parse_size
 
     try:
