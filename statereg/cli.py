@@ -84,7 +84,7 @@ def cmd_schema(args: argparse.Namespace) -> None:
 
 def cmd_ls(args: argparse.Namespace) -> None:
     from statereg.backends.registry import open_backend
-    from statereg.engine.commit import list_committed, read_latest
+    from statereg.engine.checkpoints import list_committed, read_latest
     from statereg.engine.report import format_bytes, format_table
 
     backend = open_backend(args.root, _options(args))

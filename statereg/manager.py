@@ -11,9 +11,8 @@ from typing import Any
 from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend, url_scheme
 from statereg.declaration import load_spec
-from statereg.engine.commit import (
+from statereg.engine.checkpoints import (
     Committed,
-    best_checkpoints,
     checkpoint_name,
     latest_committed,
     list_committed,
@@ -23,6 +22,7 @@ from statereg.engine.commit import (
 from statereg.engine.inspect import split_checkpoint_url
 from statereg.engine.load import LoadResult, VerifyMode, load_checkpoint, select_components
 from statereg.engine.plan import CheckpointPlan, compile_plan
+from statereg.engine.retention import best_checkpoints
 from statereg.engine.save import (
     CapturedComponent,
     StagingArea,

@@ -19,16 +19,10 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from statereg.backends.base import FileRecorder, StorageBackend, WrittenFile
 from statereg.backends.codec import CompressionSettings
 from statereg.backends.dcp_io import METADATA_NAME, BackendReader, BackendWriter, SafeLoadPlanner
-from statereg.engine.commit import (
-    Committed,
-    claim_checkpoint,
-    claim_scope,
-    commit,
-    read_latest,
-    read_manifest_at,
-    step_of,
-)
+from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of
+from statereg.engine.claims import claim_checkpoint, claim_scope
 from statereg.engine.load import check_checksum
+from statereg.engine.publish import commit
 from statereg.engine.report import Progress
 from statereg.engine.save import file_codec
 from statereg.engine.world import attempt, raise_own
@@ -103,7 +97,7 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
     with claim_scope():
         # Claimed like a save: refuses a committed or in-progress step, clears leftovers of
         # an interrupted copy, and commit() below releases it.
-        claim_checkpoint(dst, name, purpose="copy")
+        claim = claim_checkpoint(dst, name, purpose="copy")
         records = source.manifest.files
         dcp_dirs: set[str] = set()
         if recompress != "keep":
@@ -141,7 +135,7 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
         manifest = _retarget(source.manifest, name, recorder.files(), codecs, references)
         latest = read_latest(dst)
         newer = latest is None or (step_of(latest) or -1) < manifest.step
-        commit(dst, name, manifest, move_latest=newer)
+        commit(dst, name, manifest, claim, move_latest=newer)
         return manifest
 
 

@@ -16,16 +16,9 @@ import time
 from dataclasses import dataclass, replace
 
 from statereg.backends.base import IncompleteUpload, StorageBackend
-from statereg.engine.commit import (
-    claim_checkpoint,
-    claim_state,
-    list_committed,
-    read_claim,
-    read_claims,
-    read_manifest_at,
-    referenced_files,
-    step_of,
-)
+from statereg.engine.checkpoints import list_committed, read_manifest_at, step_of
+from statereg.engine.claims import claim_checkpoint, claim_state, read_claim, read_claims
+from statereg.engine.retention import referenced_files
 from statereg.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

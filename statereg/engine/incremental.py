@@ -19,7 +19,7 @@ from statereg.backends.dcp_io import (
     load_dcp_metadata,
     normalize_path,
 )
-from statereg.engine.commit import Committed
+from statereg.engine.checkpoints import Committed
 from statereg.schemas.manifest import FileRecord
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend
-from statereg.engine.commit import Committed, read_manifest_at
+from statereg.engine.checkpoints import Committed, read_manifest_at
 from statereg.engine.load import verify_files
 from statereg.engine.report import format_bytes, format_table
 from statereg.schemas.manifest import Manifest

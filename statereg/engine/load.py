@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from statereg.backends.base import StorageBackend, checksum_of, new_hasher
 from statereg.backends.dcp_io import BackendReader, SafeLoadPlanner
-from statereg.engine.commit import Committed
+from statereg.engine.checkpoints import Committed
 from statereg.engine.plan import DCP_EXTRA_NAME, CheckpointPlan, ComponentPlan
 from statereg.engine.report import Progress, describe_rate
 from statereg.engine.world import World, attempt

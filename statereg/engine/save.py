@@ -33,19 +33,14 @@ import statereg
 from statereg.backends.base import FileRecorder, StorageBackend, WrittenFile, new_hasher
 from statereg.backends.codec import CompressionSettings
 from statereg.backends.dcp_io import BackendWriter
-from statereg.engine.commit import (
-    Committed,
-    apply_retention,
-    checkpoint_name,
-    claim_checkpoint,
-    claim_scope,
-    commit,
-    latest_committed,
-)
+from statereg.engine.checkpoints import Committed, checkpoint_name, latest_committed
+from statereg.engine.claims import Claim, claim_checkpoint, claim_scope
 from statereg.engine.incremental import reference_records, reuse_index
 from statereg.engine.jsonstate import encode_state
 from statereg.engine.plan import DCP_EXTRA_NAME, CheckpointPlan, ComponentPlan
+from statereg.engine.publish import commit
 from statereg.engine.report import Progress, describe_rate
+from statereg.engine.retention import apply_retention
 from statereg.engine.world import World, attempt
 from statereg.errors import (
     CheckpointMismatchError,
@@ -298,10 +293,12 @@ def check_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
     return extra
 
 
-def _prepare_directory(backend: StorageBackend, name: str) -> None:
+def _prepare_directory(backend: StorageBackend, name: str) -> Claim:
     """Refuse a committed step, or one another live save holds; claim the directory for this
-    save and clear leftovers of an interrupted save of the same step (see commit.py)."""
-    claim_checkpoint(backend, name)
+    save and clear leftovers of an interrupted save of the same step (see claims.py).
+
+    The claim is handed to commit(), which checks it is still this save's and releases it."""
+    return claim_checkpoint(backend, name)
 
 
 def compression_settings(storage: StorageSpec) -> CompressionSettings | None:
@@ -515,8 +512,9 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
     started = time.perf_counter()
     name = checkpoint_name(step)
     error = None
+    claim: Claim | None = None  # rank 0's, which commits
     if world.rank == 0:
-        _, error = attempt(_prepare_directory, backend, name)
+        claim, error = attempt(_prepare_directory, backend, name)
     world.agree(error, f"save of {name}")
     total = sum(c.tensor_bytes + sum(len(b) for b in c.blobs.values()) for c in captured)
     incremental = (IncrementalState(latest_committed(backend))
@@ -540,7 +538,7 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
                 "references": reference_records(incremental.previous, referenced),
                 "digests": {k: v for _, (digests, _) in reports for k, v in digests.items()},
             })
-        _, error = attempt(commit, backend, name, manifest)
+        _, error = attempt(commit, backend, name, manifest, claim)
         committed = Committed(name, manifest)
     world.agree(error, f"committing {backend.display(name)}")
     committed = world.broadcast(committed)

@@ -116,7 +116,7 @@ def write_manifest(backend: Any, name: str, data: bytes) -> None:
 
 
 def committed_names(root: str, options: dict[str, Any]) -> list[str]:
-    from statereg.engine.commit import list_committed
+    from statereg.engine.checkpoints import list_committed
 
     return [c.name for c in list_committed(open_backend(root, options))]
 

@@ -17,9 +17,11 @@ from reliability_kit import assert_identical, committed_names, forkserver
 import statereg
 import statereg.engine.save
 from statereg.backends.registry import open_backend
-from statereg.engine import commit as commit_module
-from statereg.engine.commit import claim_file, read_latest, read_manifest_at
+from statereg.engine import claims as claims_module
+from statereg.engine.checkpoints import read_latest, read_manifest_at
+from statereg.engine.claims import claim_file
 from statereg.engine.load import verify_files
+from statereg.engine.publish import commit as publish_commit
 
 
 def run_savers(store, plans: list[tuple[list[int], int]]) -> list[tuple]:
@@ -167,9 +169,9 @@ def test_a_saver_taken_over_while_it_looked_dead_does_not_commit(tmp_path, monke
     thread.start()
     assert stalled.wait(30)
     # A's claim, as another host would see it after A went silent for ten minutes.
-    numbers = commit_module.read_claims(backend, "step_00000003")
-    raw = commit_module.read_claim(backend, "step_00000003", numbers[-1])
-    stale = commit_module.ClaimInfo(**{**raw.__dict__, "host_id": "elsewhere", "renewed_at": 0})
+    numbers = claims_module.read_claims(backend, "step_00000003")
+    raw = claims_module.read_claim(backend, "step_00000003", numbers[-1])
+    stale = claims_module.ClaimInfo(**{**raw.__dict__, "host_id": "elsewhere", "renewed_at": 0})
     backend.write_bytes(f"step_00000003/{claim_file(numbers[-1])}", stale.to_json())
 
     statereg.CheckpointManager(decl, **TinyState.trained(2).objects()).save(step=3)
@@ -194,6 +196,6 @@ def test_commit_creates_the_manifest_exclusively(tmp_path):
     forged = manifest.model_copy(update={"extra": {"forged": True}})
 
     with pytest.raises(statereg.CheckpointExistsError, match="committed by another save"):
-        commit_module.commit(backend, "step_00000001", forged)
+        publish_commit(backend, "step_00000001", forged, None)
     assert (tmp_path / "step_00000001" / "manifest.json").read_bytes() == before
     statereg.verify(url)  # manifest.sum is the winner's too

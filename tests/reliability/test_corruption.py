@@ -14,7 +14,7 @@ from reliability_kit import assert_identical
 import statereg
 from statereg.backends.registry import open_backend
 from statereg.cli import main as cli
-from statereg.engine.commit import read_manifest_at
+from statereg.engine.checkpoints import read_manifest_at
 
 DAMAGES = ["flip", "truncate", "delete"]
 

@@ -17,8 +17,8 @@ from reliability_kit import committed_names
 import statereg
 from statereg.backends.registry import open_backend
 from statereg.cli import main as cli
-from statereg.engine import commit as commit_module
-from statereg.engine.commit import claim_file
+from statereg.engine import claims as claims_module
+from statereg.engine.claims import claim_file
 from statereg.engine.gc import collect_garbage, find_leftovers
 
 BACKENDS = ["local", "s3"]
@@ -117,7 +117,7 @@ def test_a_directory_a_live_save_holds_is_kept_whatever_its_age(store):
     # A live process on this machine, renewing its claim: a save in flight.
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        host = commit_module._HOST_ID
+        host = claims_module._HOST_ID
         plant(backend, {
             f"step_00000002/{claim_file(0)}": claim_json(host_id=host, pid=sleeper.pid),
             "step_00000002/model/__0_0.distcp": b"x",

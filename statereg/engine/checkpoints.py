@@ -1,0 +1,200 @@
+"""Finding committed checkpoints: directory names, manifests and their checksums, `latest`.
+
+A checkpoint directory counts only once its manifest exists, parses and matches its
+manifest.sum (publish.py writes them in that order). Everything here only reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
+from statereg.backends.base import StorageBackend, checksum_of, new_hasher
+from statereg.errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
+from statereg.schemas.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+
+logger = logging.getLogger("statereg")
+
+LATEST_NAME = "latest"
+# The manifest's own checksum, written just before the manifest (absent in checkpoints
+# written before it existed, which are read without it).
+MANIFEST_SUM_NAME = "manifest.sum"
+_CHECKPOINT_NAME = re.compile(r"^step_(\d{8,})$")
+_SUM_LINE = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step encoded in a checkpoint directory name, or None if it is not one."""
+    match = _CHECKPOINT_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint: its directory name under the root and its manifest."""
+
+    name: str
+    manifest: Manifest
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+# -- reading manifests ---------------------------------------------------------------------
+
+
+def manifest_checksum(data: bytes) -> str:
+    hasher = new_hasher()
+    hasher.update(data)
+    return checksum_of(hasher)
+
+
+def check_manifest_sum(backend: StorageBackend, name: str, data: bytes) -> None:
+    """Compare the manifest bytes with manifest.sum; CorruptCheckpointError if they differ.
+
+    A checkpoint without manifest.sum was written before statereg wrote one and is read as
+    it is: its files are still checked against their sizes and checksums.
+    """
+    sum_path = f"{name}/{MANIFEST_SUM_NAME}"
+    try:
+        recorded = backend.read_bytes(sum_path).decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        return
+    path = backend.display(f"{name}/{MANIFEST_NAME}")
+    if not _SUM_LINE.match(recorded):
+        raise CorruptCheckpointError(
+            f"{backend.display(sum_path)} is damaged (it does not hold an xxh3_64 checksum), so "
+            f"{path} cannot be checked: load an earlier checkpoint"
+        )
+    actual = manifest_checksum(data)
+    if actual != recorded:
+        raise CorruptCheckpointError(
+            f"{path}: checksum {actual} differs from {recorded} recorded in {MANIFEST_SUM_NAME} "
+            f"({len(data)} bytes read); the manifest is damaged: load an earlier checkpoint"
+        )
+
+
+def read_manifest_at(backend: StorageBackend, name: str, check: bool = True) -> Manifest:
+    """The manifest of checkpoint `name`; CheckpointNotFoundError if it was never committed.
+
+    `check` compares it with manifest.sum first (one more small read); listings skip that.
+    """
+    path = f"{name}/{MANIFEST_NAME}"
+    try:
+        # One byte past the bound is enough to refuse it: a hostile multi-GB manifest is
+        # never read whole.
+        data = backend.read_bytes(path, limit=MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{backend.display(name)} has no {MANIFEST_NAME}: it does not exist or was never "
+            "committed (an interrupted save); `statereg ls` lists the committed checkpoints"
+        ) from None
+    if check:
+        check_manifest_sum(backend, name, data)
+    manifest = parse_manifest(data, backend.display(path))
+    step = step_of(name)
+    if step is not None and manifest.step != step:
+        raise ManifestError(
+            f"{backend.display(path)}: the manifest says step {manifest.step}, the directory "
+            f"is {name}; the manifest is damaged or was moved: load an earlier checkpoint"
+        )
+    return manifest
+
+
+def _usable(backend: StorageBackend, name: str, damaged: list[Exception]) -> Committed | None:
+    """The committed checkpoint `name`, or None (its damage, if any, added to `damaged`)."""
+    try:
+        return Committed(name, read_manifest_at(backend, name))
+    except CheckpointNotFoundError:
+        return None
+    except (ManifestError, CorruptCheckpointError) as exc:
+        logger.warning("skipping %s: %s", backend.display(name), exc)
+        damaged.append(exc)
+        return None
+
+
+def list_committed(backend: StorageBackend) -> list[Committed]:
+    """Every committed checkpoint under the root, oldest step first.
+
+    Directories without a valid manifest are skipped: they are interrupted saves.
+    """
+    found = []
+    for name in backend.list_dir(""):
+        if step_of(name) is None:
+            continue
+        try:
+            found.append(Committed(name, read_manifest_at(backend, name, check=False)))
+        except CheckpointNotFoundError:
+            continue
+        except ManifestError as exc:
+            logger.warning("skipping %s: %s", backend.display(name), exc)
+    return sorted(found, key=lambda c: c.step)
+
+
+def read_latest(backend: StorageBackend) -> str | None:
+    """The name in the `latest` pointer, or None if there is none."""
+    try:
+        name = backend.read_bytes(LATEST_NAME).decode("utf-8", "replace").strip()
+    except FileNotFoundError:
+        return None
+    return name if step_of(name) is not None else None
+
+
+def _created(committed: Committed) -> datetime | None:
+    try:
+        return datetime.fromisoformat(committed.manifest.created_at)
+    except (TypeError, ValueError):
+        return None
+
+
+def _committed_before(newer_step: Committed, pointed: Committed) -> bool:
+    """Whether `newer_step` was committed before `pointed` (a rollback to a lower step).
+
+    Commit times have one-second resolution; within the same second the higher step wins.
+    """
+    a, b = _created(newer_step), _created(pointed)
+    if a is None or b is None:
+        return False
+    try:
+        return a < b
+    except TypeError:  # one naive, one aware: not comparable, so not provably before
+        return False
+
+
+def latest_committed(backend: StorageBackend) -> Committed | None:
+    """The checkpoint to resume from: the one `latest` names, or a newer committed one.
+
+    The manifest commits a checkpoint and `latest` is written after it, so a crash between
+    the two leaves a committed checkpoint of a higher step that `latest` does not name yet;
+    it wins unless it was committed before the one `latest` names (a rollback).
+
+    Uncommitted directories are skipped. A damaged checkpoint (its manifest does not match
+    manifest.sum, or does not parse) is skipped with a warning in favour of an older intact
+    one; if no intact one is left, its error is raised: a damaged root never looks empty,
+    which would silently restart training from scratch.
+    """
+    damaged: list[Exception] = []
+    pointer_name = read_latest(backend)
+    pointer = _usable(backend, pointer_name, damaged) if pointer_name is not None else None
+    if pointer_name is not None and pointer is None:
+        logger.warning("'latest' names %s, which is not usable; scanning", pointer_name)
+    names = sorted((n for n in backend.list_dir("") if step_of(n) is not None), key=step_of)
+    for name in reversed(names):
+        if pointer is not None and step_of(name) <= pointer.step:  # type: ignore[operator]
+            break
+        if name == pointer_name:
+            continue
+        found = _usable(backend, name, damaged)
+        if found is None:
+            continue
+        if pointer is None or not _committed_before(found, pointer):
+            return found
+    if pointer is None and damaged:
+        raise damaged[0]
+    return pointer

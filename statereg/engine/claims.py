@@ -1,0 +1,324 @@
+"""Claims: one saver per checkpoint directory, with a renewed lease.
+
+Concurrent savers: before the first file, the saver claims the directory by creating
+`.claim-NNNNN` exclusively (a conditional write on object stores, link(2) on local disk).
+The claim names its process and is renewed while the save runs; another saver of the same
+step is refused while the claim is live, and takes a stale one over by creating the next
+number, which only one can do. The claim is handed to publish.commit(), which checks it is
+still this saver's and releases it; claim_scope() releases the claims of a failed save.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from statereg.backends.base import StorageBackend
+from statereg.engine.checkpoints import list_committed, read_manifest_at
+from statereg.engine.retention import referenced_files
+from statereg.errors import (
+    CheckpointExistsError,
+    CheckpointInProgressError,
+    CheckpointNotFoundError,
+    ManifestError,
+    StorageError,
+)
+from statereg.schemas.manifest import MANIFEST_NAME
+
+logger = logging.getLogger("statereg")
+
+CLAIM_PREFIX = ".claim-"
+_CLAIM_NAME = re.compile(r"^\.claim-(\d{5,})$")
+_CLAIM_TEMPORARY = re.compile(r"^\.claim-\d{5,}\.tmp-")
+# A claim nobody renewed for this long is stale (its saver died on another host).
+CLAIM_LEASE_S = float(os.environ.get("STATEREG_CLAIM_LEASE_S", "120"))
+_CLAIM_ATTEMPTS = 5
+
+
+def _host_id() -> str:
+    """This machine (and PID namespace): two processes with equal ids can see each other's PIDs."""
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        parts.append(f.read().strip())
+    with contextlib.suppress(OSError):
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
+
+
+_HOST_ID = _host_id()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class ClaimInfo:
+    """What a claim file says: who saves the directory, since when, last renewed when."""
+
+    token: str
+    host: str
+    host_id: str
+    pid: int
+    thread: str
+    started_at: float
+    renewed_at: float
+    lease_s: float
+
+    @classmethod
+    def parse(cls, data: bytes) -> ClaimInfo | None:
+        try:
+            raw = json.loads(data)
+            return cls(token=str(raw["token"]), host=str(raw["host"]),
+                       host_id=str(raw["host_id"]), pid=int(raw["pid"]),
+                       thread=str(raw["thread"]), started_at=float(raw["started_at"]),
+                       renewed_at=float(raw["renewed_at"]), lease_s=float(raw["lease_s"]))
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+            return None
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__, sort_keys=True).encode()
+
+    def describe(self) -> str:
+        return f"process {self.pid} on {self.host}"
+
+
+def claim_file(number: int) -> str:
+    return f"{CLAIM_PREFIX}{number:05d}"
+
+
+def claim_number(entry: str) -> int | None:
+    match = _CLAIM_NAME.match(entry)
+    return int(match.group(1)) if match else None
+
+
+def claim_state(info: ClaimInfo | None, now: float | None = None) -> tuple[bool, str]:
+    """(live, why): whether the save holding a claim may still be running, and why.
+
+    Live: a save in another thread of this process; a running process on this machine that
+    renewed it within its lease; on another machine, a renewal within the lease.
+    """
+    if info is None:
+        return False, "an unreadable claim"
+    now = time.time() if now is None else now
+    quiet = now - info.renewed_at
+    if info.host_id == _HOST_ID:
+        if info.pid == os.getpid():
+            claim = _ACTIVE.get(info.token)
+            if claim is not None and claim.owner is not threading.current_thread() \
+                    and claim.owner.is_alive():
+                return True, f"a save in thread {claim.owner.name!r} of this process"
+            return False, "an earlier save of this process that ended"
+        if not _pid_alive(info.pid):
+            return False, f"process {info.pid} on this machine, which has exited"
+    if quiet > info.lease_s:
+        return False, f"{info.describe()}, silent for {quiet:.0f} s (lease {info.lease_s:.0f} s)"
+    return True, f"{info.describe()}, renewed {max(quiet, 0):.0f} s ago"
+
+
+def read_claims(backend: StorageBackend, name: str) -> list[int]:
+    """The claim numbers in directory `name`, ascending."""
+    return sorted(n for n in map(claim_number, backend.list_dir(name)) if n is not None)
+
+
+def read_claim(backend: StorageBackend, name: str, number: int) -> ClaimInfo | None:
+    try:
+        return ClaimInfo.parse(backend.read_bytes(f"{name}/{claim_file(number)}"))
+    except FileNotFoundError:
+        return None
+
+
+@dataclass(eq=False)
+class Claim:
+    """This process's claim on one checkpoint directory, renewed until released."""
+
+    backend: StorageBackend
+    name: str
+    number: int
+    info: ClaimInfo
+    owner: threading.Thread = field(default_factory=threading.current_thread)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _renewer: threading.Thread | None = None
+
+    @property
+    def path(self) -> str:
+        return f"{self.name}/{claim_file(self.number)}"
+
+    @property
+    def active(self) -> bool:
+        return _ACTIVE.get(self.info.token) is self
+
+    def start(self) -> None:
+        _ACTIVE[self.info.token] = self
+        scope = getattr(_SCOPES, "stack", None)
+        if scope:
+            scope[-1].append(self)
+        self._renewer = threading.Thread(target=self._renew, daemon=True,
+                                         name=f"statereg-claim-{self.name}")
+        self._renewer.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.info.lease_s / 4):
+            renewed = ClaimInfo(**{**self.info.__dict__, "renewed_at": time.time()})
+            try:
+                self.backend.write_bytes(self.path, renewed.to_json())
+            except Exception as exc:  # the save itself will report a storage failure
+                logger.debug("renewing %s failed: %s", self.backend.display(self.path), exc)
+
+    def _stop_renewing(self) -> None:
+        _ACTIVE.pop(self.info.token, None)
+        self._stop.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(timeout=30)
+
+    def check_owner(self) -> None:
+        """Raise if another saver took the directory over (this one looked dead to it)."""
+        numbers = read_claims(self.backend, self.name)
+        if numbers and numbers[-1] == self.number:
+            return
+        self._stop_renewing()
+        holder = read_claim(self.backend, self.name, numbers[-1]) if numbers else None
+        by = f" by {holder.describe()}" if holder is not None else ""
+        raise CheckpointInProgressError(
+            f"{self.backend.display(self.name)} was taken over{by} while this save was writing "
+            f"it (this save's claim lapsed, or `statereg gc` removed it); nothing was committed "
+            "by this save: save again, or a different step"
+        )
+
+    def release(self) -> None:
+        """Stop renewing and delete the claim file (best effort: a stale claim is harmless)."""
+        if not self.active and self._stop.is_set():
+            return
+        self._stop_renewing()
+        try:
+            self.backend.remove_file(self.path)
+        except (FileNotFoundError, StorageError) as exc:
+            logger.debug("could not remove %s: %s", self.backend.display(self.path), exc)
+
+
+_ACTIVE: dict[str, Claim] = {}  # token -> claim, for claims of this process
+_SCOPES = threading.local()
+
+
+@contextlib.contextmanager
+def claim_scope() -> Iterator[None]:
+    """Release, on leaving, every claim taken inside and not committed (a failed save)."""
+    stack = getattr(_SCOPES, "stack", None)
+    if stack is None:
+        stack = _SCOPES.stack = []
+    stack.append([])
+    try:
+        yield
+    finally:
+        for claim in stack.pop():
+            claim.release()
+
+
+@atexit.register
+def _release_all() -> None:
+    for claim in list(_ACTIVE.values()):
+        with contextlib.suppress(Exception):
+            claim.release()
+
+
+def refuse_committed(backend: StorageBackend, name: str) -> None:
+    """CheckpointExistsError if `name` has a manifest (statereg never overwrites one)."""
+    try:
+        read_manifest_at(backend, name, check=False)
+    except CheckpointNotFoundError:
+        return
+    except ManifestError as exc:
+        raise CheckpointExistsError(
+            f"{backend.display(name)} has a {MANIFEST_NAME} that does not parse ({exc}); "
+            "statereg never overwrites a manifest: inspect it, or save a different step"
+        ) from None
+    raise CheckpointExistsError(
+        f"{backend.display(name)} is already a committed checkpoint; save a different step, "
+        "or delete it first (statereg never overwrites a committed checkpoint)"
+    )
+
+
+def refuse_referenced(backend: StorageBackend, name: str) -> None:
+    """CheckpointExistsError if committed (incremental) checkpoints read files under `name`:
+    retention keeps those in the directory of a deleted checkpoint."""
+    needed = referenced_files(list_committed(backend))
+    held = sorted(path for path in needed if path.startswith(f"{name}/"))
+    if held:
+        raise CheckpointExistsError(
+            f"{backend.display(name)} holds {len(held)} file(s) that committed incremental "
+            f"checkpoints reference (e.g. {held[0]}); statereg does not remove them while "
+            "those checkpoints exist: save a different step"
+        )
+
+
+def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") -> Claim:
+    """Claim directory `name` for one save; clear leftovers of an interrupted save of it.
+
+    Refuses a committed step (CheckpointExistsError) and a step another live save holds
+    (CheckpointInProgressError). A stale claim is taken over by creating the next number.
+    """
+    for _ in range(_CLAIM_ATTEMPTS):
+        refuse_committed(backend, name)
+        numbers = read_claims(backend, name)
+        number, why = 0, ""
+        if numbers:
+            holder = read_claim(backend, name, numbers[-1])
+            live, why = claim_state(holder)
+            if live:
+                raise CheckpointInProgressError(
+                    f"{backend.display(name)} is being saved by {why}; two saves of one step "
+                    "cannot both commit. Save a different step, or wait for that save; a claim "
+                    f"whose process is gone lapses {CLAIM_LEASE_S:.0f} s after its last renewal"
+                )
+            number = numbers[-1] + 1
+        now = time.time()
+        info = ClaimInfo(token=uuid.uuid4().hex, host=socket.gethostname(), host_id=_HOST_ID,
+                         pid=os.getpid(), thread=threading.current_thread().name,
+                         started_at=now, renewed_at=now, lease_s=CLAIM_LEASE_S)
+        claim = Claim(backend, name, number, info)
+        try:
+            backend.create_bytes(claim.path, info.to_json())
+        except FileExistsError:
+            continue  # another saver took this number first: look again
+        try:
+            refuse_committed(backend, name)  # committed between the first check and the claim
+            # Not another saver's claim being created (`.claim-N.tmp-…`, local disk): its
+            # link fails or wins on its own, and it removes its temporary file itself.
+            leftovers = [e for e in backend.list_dir(name)
+                         if e != claim_file(number) and not _CLAIM_TEMPORARY.match(e)]
+            if leftovers:
+                refuse_referenced(backend, name)
+            if leftovers and purpose != "gc":
+                logger.warning("removing leftovers of an interrupted %s in %s%s", purpose,
+                               backend.display(name), f" (claimed by {why})" if why else "")
+                for entry in leftovers:
+                    backend.remove_tree(f"{name}/{entry}")
+        except BaseException:
+            claim._stop.set()
+            with contextlib.suppress(Exception):
+                backend.remove_file(claim.path)
+            raise
+        claim.start()
+        return claim
+    raise CheckpointInProgressError(
+        f"{backend.display(name)}: other saves kept claiming this step; save a different step"
+    )
