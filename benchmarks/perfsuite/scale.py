@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import statereg
-import statereg.backends.base as backend_base
+import statereg.backends.checksum as backend_checksum
 import statereg.engine.save as engine_save
 import statereg.manager as manager_module
 from perfsuite.measure import PageCache, Timing, fresh_dir, measure
@@ -106,10 +106,10 @@ def instrumented(clock: Clock) -> Iterator[None]:
             original = getattr(owner, name)
             originals.append((owner, name, original))
             setattr(owner, name, clock.timed(category, name, original))
-    new_hasher = backend_base.new_hasher
-    originals.append((backend_base, "new_hasher", new_hasher))
+    new_hasher = backend_checksum.new_hasher
+    originals.append((backend_checksum, "new_hasher", new_hasher))
     spent = clock.spent.setdefault(("checksums", "xxh3 update"), [])
-    backend_base.new_hasher = lambda: _TimedHasher(new_hasher(), spent)
+    backend_checksum.new_hasher = lambda: _TimedHasher(new_hasher(), spent)
     try:
         yield
     finally:

@@ -58,7 +58,8 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from statereg.backends import codec, torchsave
-from statereg.backends.base import FileRecorder, HashingWriter, StorageBackend
+from statereg.backends.base import StorageBackend
+from statereg.backends.checksum import FileRecorder, HashingWriter
 from statereg.errors import CorruptCheckpointError
 
 METADATA_NAME = ".metadata"

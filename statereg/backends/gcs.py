@@ -9,13 +9,8 @@ import logging
 import os
 from typing import Any
 
-from statereg.backends.base import (
-    EXCLUSIVE_WRITE,
-    StorageBackend,
-    WrittenFile,
-    checksum_of,
-    new_hasher,
-)
+from statereg.backends.base import EXCLUSIVE_WRITE, StorageBackend
+from statereg.backends.checksum import WrittenFile, checksum_of, new_hasher
 
 logger = logging.getLogger("statereg")
 

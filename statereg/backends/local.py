@@ -16,13 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-from statereg.backends.base import (
-    EXCLUSIVE_WRITE,
-    HashingWriter,
-    StorageBackend,
-    StoredFile,
-    WrittenFile,
-)
+from statereg.backends.base import EXCLUSIVE_WRITE, StorageBackend, StoredFile
+from statereg.backends.checksum import HashingWriter, WrittenFile
 
 # Large buffers keep the number of write syscalls low for multi-GB tensor files.
 _BUFFER = 8 * 1024 * 1024

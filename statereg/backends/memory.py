@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from statereg.backends.base import EXCLUSIVE_WRITE, StorageBackend, WrittenFile
+from statereg.backends.base import EXCLUSIVE_WRITE, StorageBackend
+from statereg.backends.checksum import WrittenFile
 
 # One store per process, so one lock makes "create if absent" atomic for every root in it.
 _CREATE_LOCK = threading.Lock()

@@ -8,14 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from statereg.backends.base import (
-    EXCLUSIVE_WRITE,
-    IncompleteUpload,
-    StorageBackend,
-    WrittenFile,
-    checksum_of,
-    new_hasher,
-)
+from statereg.backends.base import EXCLUSIVE_WRITE, IncompleteUpload, StorageBackend
+from statereg.backends.checksum import WrittenFile, checksum_of, new_hasher
 
 # A conditional PUT racing another one on the same key may be answered 409
 # ConditionalRequestConflict ("retry"); the retry then gets 412 if the other one won.

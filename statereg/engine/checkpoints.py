@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 
-from statereg.backends.base import StorageBackend, checksum_of, new_hasher
+from statereg.backends.base import StorageBackend
+from statereg.backends.checksum import checksum_of, new_hasher
 from statereg.errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from statereg.schemas.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 

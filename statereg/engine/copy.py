@@ -16,7 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from statereg.backends.base import FileRecorder, StorageBackend, WrittenFile
+from statereg.backends.base import StorageBackend
+from statereg.backends.checksum import FileRecorder, WrittenFile
 from statereg.backends.codec import CompressionSettings
 from statereg.backends.dcp_io import METADATA_NAME, BackendReader, BackendWriter, SafeLoadPlanner
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of

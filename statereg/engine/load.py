@@ -15,7 +15,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 
-from statereg.backends.base import StorageBackend, checksum_of, new_hasher
+from statereg.backends.base import StorageBackend
+from statereg.backends.checksum import checksum_of, new_hasher
 from statereg.backends.dcp_io import BackendReader, SafeLoadPlanner
 from statereg.engine.checkpoints import Committed
 from statereg.engine.plan import DCP_EXTRA_NAME, CheckpointPlan, ComponentPlan

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.planner import (
 )
 
 import statereg
-from statereg.backends.base import FileRecorder, StorageBackend, WrittenFile, new_hasher
+from statereg.backends.base import StorageBackend
+from statereg.backends.checksum import FileRecorder, WrittenFile, new_hasher
 from statereg.backends.codec import CompressionSettings
 from statereg.backends.dcp_io import BackendWriter
 from statereg.engine.checkpoints import Committed, checkpoint_name, latest_committed

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from statereg.backends.base import StorageBackend, WrittenFile
+from statereg.backends.base import StorageBackend
+from statereg.backends.checksum import WrittenFile
 from statereg.engine.jsonstate import decode_state, encode_state
 from statereg.engine.plan import TORCH_MODEL_NAME
 from statereg.errors import SpecError

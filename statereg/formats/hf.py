@@ -16,7 +16,8 @@ from collections.abc import Callable
 import safetensors.torch
 import torch
 
-from statereg.backends.base import StorageBackend, WrittenFile
+from statereg.backends.base import StorageBackend
+from statereg.backends.checksum import WrittenFile
 from statereg.errors import CheckpointNotFoundError, CorruptCheckpointError
 from statereg.formats.tensors import copy_full_into, nbytes, owned, plan_shards
 from statereg.state.model import TensorMeta

@@ -28,7 +28,8 @@ from torch import nn
 
 import statereg
 import statereg.engine.save
-from statereg.backends.base import HashingWriter, StorageBackend
+from statereg.backends.base import StorageBackend
+from statereg.backends.checksum import HashingWriter
 from statereg.backends.local import LocalBackend
 
 ENV = "STATEREG_CRASH_AT"

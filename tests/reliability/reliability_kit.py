@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import statereg
-from statereg.backends.base import checksum_of, new_hasher
+from statereg.backends.checksum import checksum_of, new_hasher
 from statereg.backends.registry import open_backend
 
 _CONTEXT: Any = None
