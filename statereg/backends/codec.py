@@ -31,9 +31,13 @@ import numpy as np
 import torch
 import xxhash
 import zstandard
-from torch.distributed.checkpoint._extension import StreamTransformExtension
 
-from statereg.errors import CorruptCheckpointError
+from statereg.backends.torch_private import (
+    EXTENSIONS_AVAILABLE,
+    ExtensionRegistry,
+    StreamTransformExtension,
+)
+from statereg.errors import CorruptCheckpointError, StateregError
 
 ZSTD_DESCRIPTOR = "stream.zstd/1"
 PLANES_NAME = "statereg.planes"
@@ -504,9 +508,17 @@ class FloatPlanes(StreamTransformExtension):
 
 
 def extension_registry() -> Any:
-    """DCP's extension registry with statereg's float-aware decoder added."""
-    from torch.distributed.checkpoint._extension import ExtensionRegistry
+    """DCP's extension registry with statereg's float-aware decoder added.
 
+    Raises StateregError on a torch without DCP's extension registry (see torch_private.py):
+    statereg's own reader still loads every compressed checkpoint there.
+    """
+    if not EXTENSIONS_AVAILABLE:
+        raise StateregError(
+            f"torch {torch.__version__} has no torch.distributed.checkpoint._extension, so plain "
+            "DCP readers cannot decode compressed items; load the checkpoint with statereg "
+            "(CheckpointManager.load or statereg.load_model_from), which decodes them itself"
+        )
     registry = ExtensionRegistry()
     registry.register(FloatPlanes)
     return registry

@@ -7,36 +7,38 @@ replace the filesystem underneath, for three reasons:
   fsspec filesystem without them);
 - `.metadata` is written in place (no tmp + rename, which object stores cannot do atomically)
   and read back with a restricted unpickler, since a raw `pickle.load` can run code.
-The per-file loops are ours too, for speed with the same bytes on storage: tensors are written
-without torch.save's crc32 and read straight into their destination (see torchsave.py).
+The per-file loops are ours too (DCP's are private API): each tensor item is a `torch.save`
+record, written with torch.save itself, and read straight into its destination (torchsave.py).
+Private torch names come from torch_private.py only; `.metadata` is pickled the way DCP
+pickles it, item locations by field name, so it never depends on a private class's field order.
 """
 
 from __future__ import annotations
 
-import copyreg
+import dataclasses
+import gc
 import io
+import itertools
 import os
 import pickle
 import posixpath
 import queue
 import threading
 import warnings
-from collections.abc import Generator
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
     FileSystemReader,
     FileSystemWriter,
-    _StorageInfo,
-    _StorageWriterTransforms,
 )
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -49,17 +51,18 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
     ReadItem,
+    SavePlan,
     SavePlanner,
     WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from statereg.backends import codec, torchsave
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, HashingWriter
+from statereg.backends.torch_private import StorageInfo, storage_info
 from statereg.errors import CorruptCheckpointError
 
 METADATA_NAME = ".metadata"
@@ -111,7 +114,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_dcp_metadata(data: bytes, source: str) -> Metadata:
     """Unpickle DCP metadata bytes without running code from them."""
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        with _gc_paused():
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:
         raise CorruptCheckpointError(
             f"{source}: DCP metadata cannot be read safely ({exc}); the file is damaged or was "
@@ -217,69 +221,50 @@ class BackendWriter(FileSystemWriter):
         super().__init__(path, sync_files=False, thread_count=thread_count, overwrite=False)
         self.fs = BackendFileSystem(backend, recorder)
         self.path = path
-        if compression is not None:
-            self.transforms = CompressingTransforms(compression)
+        self.compressor = CompressingTransforms(compression) if compression is not None else None
         # Incremental saves: items whose digest matches `reuse` are referenced, not written.
         self.reuse = reuse
         self.digests: dict[str, str] = {}
         self.referenced: set[str] = set()
 
-    def _reference_unchanged(self, planner: SavePlanner, file_queue: queue.Queue,
-                             ) -> list[WriteResult]:
-        """Take items equal to a reusable one out of the queue; results that point at them."""
-        assert self.reuse is not None
-        files = []
-        while not file_queue.empty():
-            files.append(file_queue.get_nowait())
-        results = []
-        for file_name, storage_key, items in files:
-            kept = []
-            for item in items:
-                if item.type == WriteItemType.BYTE_IO:
-                    kept.append(item)
-                    continue
-                key = item_key(item.index)
-                digest = self.digests[key] = tensor_digest(planner.resolve_data(item))
-                old = self.reuse.get(key)
-                if old is None or old.digest != digest:
-                    kept.append(item)
-                    continue
-                self.referenced.add(old.path)
-                relative = posixpath.relpath(old.path, self.path)
-                results.append(WriteResult(
-                    index=item.index, size_in_bytes=old.length,
-                    storage_data=_StorageInfo(relative, old.offset, old.length,
-                                              list(old.transforms) or None)))
-            file_queue.put((file_name, storage_key, kept))
-        return results
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Rank i's files are `__{i}_{n}.distcp`, as DCP names them; the prefix travels as a
+        # plain string (DCP's own holder is a private class).
+        return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
 
-    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future:
-        # DCP's version runs extra writer threads whose exceptions are printed and lost, and
-        # then commits metadata without their files; ours raises the first failure.
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        """Write this rank's items into up to `thread_count` files; the first failure raises.
+
+        DCP's version runs extra writer threads whose exceptions are printed and lost, and then
+        commits metadata without their files, and it makes a file per thread even for a thread
+        with no items (on an object store, a request and a manifest entry each).
+        """
+        prefix = plan.storage_data
+        pending: queue.Queue = queue.Queue()
         results: queue.Queue = queue.Queue()
         errors: list[BaseException] = []
+        items = plan.items
         if self.reuse is not None:
-            results.put(self._reference_unchanged(planner, file_queue))
-        # DCP makes one file per thread even when a thread gets no items; on an object store
-        # each empty file would still cost a request, and a manifest entry.
-        files = [file_queue.get_nowait() for _ in range(file_queue.qsize())]
-        for entry in files:
-            if entry[2]:
-                file_queue.put(entry)
+            reused, items = self._reference_unchanged(planner, items)
+            results.put(reused)
+        for number, bucket in enumerate(b for b in _split_into_files(self.thread_count, items)
+                                        if b):
+            name = f"{prefix}{number}.distcp"
+            pending.put((self.fs.concat_path(self.path, name), name, bucket))
 
         def drain_queue() -> None:
             try:
                 while True:
                     try:
-                        file_name, storage_key, items = file_queue.get_nowait()
+                        file_name, storage_key, bucket = pending.get_nowait()
                     except queue.Empty:
                         return
-                    results.put(self._write_file(planner, file_name, storage_key, items))
+                    results.put(self._write_file(planner, file_name, storage_key, bucket))
             except BaseException as exc:
                 errors.append(exc)
 
         threads = [threading.Thread(target=drain_queue, name=f"statereg-write-{i}")
-                   for i in range(1, self.thread_count)]
+                   for i in range(1, min(self.thread_count, pending.qsize()))]
         for thread in threads:
             thread.start()
         drain_queue()
@@ -291,9 +276,35 @@ class BackendWriter(FileSystemWriter):
         done.set_result([wr for _ in range(results.qsize()) for wr in results.get_nowait()])
         return done
 
+    def _reference_unchanged(self, planner: SavePlanner, items: list[WriteItem],
+                             ) -> tuple[list[WriteResult], list[WriteItem]]:
+        """Results pointing at the reusable copies of unchanged items, and the items to write."""
+        assert self.reuse is not None
+        results, kept = [], []
+        relative_paths: dict[str, str] = {}
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                kept.append(item)
+                continue
+            key = item_key(item.index)
+            digest = self.digests[key] = tensor_digest(planner.resolve_data(item))
+            old = self.reuse.get(key)
+            if old is None or old.digest != digest:
+                kept.append(item)
+                continue
+            self.referenced.add(old.path)
+            relative = relative_paths.get(old.path)
+            if relative is None:  # one string per file: `.metadata` pickles it once
+                relative = relative_paths[old.path] = posixpath.relpath(old.path, self.path)
+            results.append(WriteResult(
+                index=item.index, size_in_bytes=old.length,
+                storage_data=storage_info(relative, old.offset, old.length,
+                                          _shared_descriptors(old.transforms))))
+        return results, kept
+
     def _write_file(self, planner: SavePlanner, file_name: str, storage_key: str,
                     items: list[WriteItem]) -> list[WriteResult]:
-        """One DCP file: what DCP's writer does, with torch.save's crc32 left out."""
+        """One DCP file: what DCP's writer does; each tensor item is one torch.save record."""
         results = []
         ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
                    + [i for i in items if i.type != WriteItemType.BYTE_IO])
@@ -301,67 +312,100 @@ class BackendWriter(FileSystemWriter):
             for item in ordered:
                 data = planner.resolve_data(item)
                 offset = stream.tell()
-                target, descriptors = self.transforms.transform_save_stream(item, stream)
+                target, descriptors = stream, ()
+                if self.compressor is not None:
+                    target, descriptors = self.compressor.encoder(item, stream)
                 if item.type == WriteItemType.BYTE_IO:
                     target.write(data.getbuffer())
                 else:
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # torch.save would write the whole storage
-                    torchsave.save(tensor, target)
-                target.close()
+                    torch.save(tensor, target)
+                if target is not stream:
+                    target.close()
                 length = stream.tell() - offset
                 results.append(WriteResult(
                     index=item.index, size_in_bytes=length,
-                    storage_data=_StorageInfo(storage_key, offset, length, descriptors or None)))
+                    storage_data=storage_info(storage_key, offset, length,
+                                              _shared_descriptors(descriptors))))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = "1.0.0"
         metadata.storage_data = {wr.index: wr.storage_data for res in results for wr in res}
         metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
-        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_NAME), "wb") as out:
-            pickler = pickle.Pickler(out)
-            pickler.dispatch_table = _METADATA_REDUCERS
-            pickler.dump(metadata)
+        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_NAME), "wb") as out, \
+                _gc_paused():
+            # Plain pickle, as DCP writes it: item locations are pickled by field name.
+            pickle.dump(metadata, out)
 
 
-def _reduce_storage_info(info: _StorageInfo) -> tuple[type, tuple[Any, ...]]:
-    # _StorageInfo(path, offset, length[, descriptors]): the constructor call unpickles to the
-    # same object as DCP's own __getstate__ (which drops None fields), at half the cost per
-    # item, and older torch without the descriptors field reads uncompressed items as before.
-    args = (info.relative_path, info.offset, info.length)
-    if info.transform_descriptors is not None:
-        args += (info.transform_descriptors,)
-    return _StorageInfo, args
+_DESCRIPTORS: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 
-_METADATA_REDUCERS = copyreg.dispatch_table.copy()
-_METADATA_REDUCERS[_StorageInfo] = _reduce_storage_info
+def _shared_descriptors(descriptors: Sequence[str]) -> tuple[str, ...] | None:
+    """One tuple object per distinct descriptor list: pickle writes it once, then refers to it."""
+    if not descriptors:
+        return None
+    key = tuple(descriptors)
+    return _DESCRIPTORS.setdefault(key, key)
 
 
-class CompressingTransforms(_StorageWriterTransforms):
+@contextmanager
+def _gc_paused() -> Generator[None, None, None]:
+    """Pickling or unpickling 100k items allocates objects that only live on: no gc passes."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _item_size(item: WriteItem) -> int:
+    assert item.tensor_data is not None
+    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+
+
+def _split_into_files(count: int, items: list[WriteItem]) -> list[list[WriteItem]]:
+    """DCP's split of one rank's items into `count` files: objects round-robin, then tensors,
+    largest first, each into the file with the fewest bytes so far."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(count)]
+    sizes = [0] * count
+    objects = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensors = sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_item_size,
+                     reverse=True)
+    for number, item in enumerate(objects):
+        buckets[number % count].append(item)
+    for item in tensors:
+        smallest = sizes.index(min(sizes))
+        buckets[smallest].append(item)
+        sizes[smallest] += _item_size(item)
+    return buckets
+
+
+class CompressingTransforms:
     """Compresses each DCP item on its own: float tensors by planes (if asked), others zstd."""
 
     def __init__(self, settings: codec.CompressionSettings) -> None:
-        super().__init__(())
         self.settings = settings
 
-    def transform_save_stream(self, write_item: WriteItem, raw_stream: io.IOBase,
-                              ) -> tuple[Any, list[str]]:
+    def encoder(self, write_item: WriteItem, raw_stream: io.IOBase) -> tuple[Any, tuple[str]]:
+        """The stream one item is written into, and the descriptor `.metadata` records."""
         settings = self.settings
 
         def zstd(prefix: bytes, body: memoryview | None, suffix: bytes, write: Any) -> None:
             codec.encode_zstd_parts(prefix, body, suffix, settings, write)
 
         if write_item.type == WriteItemType.BYTE_IO or write_item.tensor_data is None:
-            return codec.EncodingStream(raw_stream, zstd), [codec.ZSTD_DESCRIPTOR]
+            return codec.EncodingStream(raw_stream, zstd), (codec.ZSTD_DESCRIPTOR,)
         dtype = write_item.tensor_data.properties.dtype
-        body_size = (write_item.tensor_data.chunk.sizes.numel()
-                     * torch._utils._element_size(dtype))
+        body_size = write_item.tensor_data.chunk.sizes.numel() * dtype.itemsize
         layout = codec.float_layout(dtype) if settings.float_aware else None
         if layout is None or body_size < codec.MIN_PLANES_BYTES:
-            return codec.EncodingStream(raw_stream, zstd, body_size), [codec.ZSTD_DESCRIPTOR]
+            return codec.EncodingStream(raw_stream, zstd, body_size), (codec.ZSTD_DESCRIPTOR,)
         size, rotate = layout
 
         def encode(prefix: bytes, body: memoryview | None, suffix: bytes, write: Any) -> None:
@@ -369,7 +413,7 @@ class CompressingTransforms(_StorageWriterTransforms):
                 body, prefix = memoryview(prefix), b""
             codec.encode_planes(body, size, rotate, settings, write, prefix, suffix)
 
-        return codec.EncodingStream(raw_stream, encode, body_size), [codec.PLANES_DESCRIPTOR]
+        return codec.EncodingStream(raw_stream, encode, body_size), (codec.PLANES_DESCRIPTOR,)
 
 
 class BackendReader(FileSystemReader):
@@ -421,7 +465,7 @@ class BackendReader(FileSystemReader):
         """
         with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
             for req in sorted(items, key=lambda r: self.storage_data[r.storage_index].offset):
-                info: _StorageInfo = self.storage_data[req.storage_index]
+                info: StorageInfo = self.storage_data[req.storage_index]
                 source, start, length = stream, info.offset, info.length
                 if info.transform_descriptors:
                     stream.seek(info.offset)
@@ -436,9 +480,8 @@ class BackendReader(FileSystemReader):
                 target = planner.resolve_tensor(req).detach()
                 try:
                     if not torchsave.read_into(source, start, length, target):
-                        tensor = torch.load(_create_file_view(source, start, length),
-                                            map_location="cpu", weights_only=True)
-                        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                        tensor = _narrow(torchsave.load(source, start, length),
+                                         req.storage_offsets, req.lengths)
                         if target.size() != tensor.size():
                             raise CorruptCheckpointError(
                                 f"{self.describe_item(req.storage_index)}: stored shape "
@@ -461,7 +504,7 @@ class BackendReader(FileSystemReader):
         stored = self._metadata.state_dict_metadata.get(index.fqn) if self._metadata else None
         if stored is None or isinstance(stored, BytesStorageMetadata):
             return MAX_OBJECT_BYTES
-        element = torch._utils._element_size(stored.properties.dtype)
+        element = stored.properties.dtype.itemsize
         for chunk in stored.chunks:
             if index.offset is None or tuple(chunk.offsets) == tuple(index.offset):
                 return chunk.sizes.numel() * element + _TORCH_SAVE_OVERHEAD
@@ -491,9 +534,50 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"weights-only allow-list ({exc}); refusing to load it"
             ) from None
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            _set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_in_place(state: dict[str, Any], reader: BackendReader, planner: LoadPlanner) -> None:
+    """`dcp.load` into `state`, keeping the entries `planner.set_up_planner` adds to it.
+
+    dcp.load hands the planner a copy of `state`; a planner that fills in the keys itself
+    (loading everything a checkpoint holds) fills the copy, which DefaultLoadPlanner keeps as
+    its public `state_dict`. Public API only (the in-place private `_load_state_dict` changed
+    its signature across releases).
+    """
+    dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    state.update(planner.state_dict)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int],
+            ) -> torch.Tensor:
+    """The part of a stored chunk a read asks for (DCP's private narrow_tensor_by_index)."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if length < tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _set_element(root: dict[str, Any], path: Sequence[str | int], value: Any) -> None:
+    """Put `value` at `path` in a nested state dict, creating dicts and lists on the way.
+
+    What DCP's private `set_element` does with the planner's flattening mappings: a str key
+    indexes a dict, an int a list (grown with None).
+    """
+    container: Any = root
+    for key, following in itertools.pairwise(path):
+        empty: Any = {} if isinstance(following, str) else []
+        if isinstance(container, Mapping):
+            container = container.setdefault(key, empty)
+        else:
+            container.extend([None] * (key + 1 - len(container)))
+            if container[key] is None:
+                container[key] = empty
+            container = container[key]
+    last = path[-1]
+    if isinstance(last, int):
+        container.extend([None] * (last + 1 - len(container)))
+    container[last] = value
 

@@ -16,7 +16,6 @@ tensor record holds.
 
 from __future__ import annotations
 
-import functools
 import io
 import os
 import pickle
@@ -131,7 +130,7 @@ def _check_layout(record: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> in
             or record.storage_offset != 0 or record.numel != numel
             or record.stride != _contiguous_strides(shape)):
         raise _NotPlain("layout")
-    return numel * torch._utils._element_size(dtype)
+    return numel * dtype.itemsize
 
 
 def _skip_descriptor(head: bytes, at: int, size: int) -> int:
@@ -269,34 +268,6 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor)
     return True
 
 
-@functools.cache
-def _crc_free_writer() -> bool:
-    """Whether torch's zip writer can be driven directly (it skips the per-record crc32).
-
-    torch.save checksums every record with a byte-at-a-time crc32 (~3.5 GB/s here, a fifth
-    of a save's CPU time); statereg checksums whole files with xxh3 while writing, so the
-    zip's own crc adds nothing. Uses private torch API, hence checked once, with a fallback.
-    """
-    try:
-        probe = torch.arange(4, dtype=torch.float32)
-        buffer = io.BytesIO()
-        _save_without_crc(probe, buffer)
-        buffer.seek(0)
-        return bool(torch.equal(torch.load(buffer, weights_only=True), probe))
-    except Exception:  # any change in torch's internals: fall back to torch.save
-        return False
-
-
-def _save_without_crc(tensor: torch.Tensor, stream: IO[bytes]) -> None:
-    serialization: Any = torch.serialization
-    writer = torch._C.PyTorchFileWriter(stream, False, serialization._get_storage_alignment())
-    serialization._save(tensor, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
-    writer.write_end_of_file()
-
-
-def save(tensor: torch.Tensor, stream: IO[bytes]) -> None:
-    """`torch.save(tensor, stream)`, byte-compatible, without the zip records' crc32."""
-    if _crc_free_writer():
-        _save_without_crc(tensor, stream)
-    else:
-        torch.save(tensor, stream)
+def load(stream: IO[bytes], offset: int, length: int) -> torch.Tensor:
+    """`torch.load` (weights only, onto the CPU) of the record at [offset, offset+length)."""
+    return torch.load(_Window(stream, offset, length), map_location="cpu", weights_only=True)

@@ -14,12 +14,17 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile
 from statereg.backends.codec import CompressionSettings
-from statereg.backends.dcp_io import METADATA_NAME, BackendReader, BackendWriter, SafeLoadPlanner
+from statereg.backends.dcp_io import (
+    METADATA_NAME,
+    BackendReader,
+    BackendWriter,
+    SafeLoadPlanner,
+    load_in_place,
+)
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of
 from statereg.engine.claims import claim_checkpoint, claim_scope
 from statereg.engine.load import check_checksum
@@ -78,9 +83,7 @@ def _rewrite_dcp(src: StorageBackend, src_dir: str, dst: StorageBackend, dst_dir
                  compression: CompressionSettings | None, recorder: FileRecorder) -> None:
     """Load every item of one DCP directory and write it again with `compression`."""
     state: dict[str, Any] = {}
-    # The private loader fills `state` in place (dcp.load copies the dict it is given).
-    _, error = attempt(_load_state_dict, state, BackendReader(src, src_dir), None, 0, True,
-                       _LoadEverything())
+    _, error = attempt(load_in_place, state, BackendReader(src, src_dir), _LoadEverything())
     if error is not None:  # DCP wraps failures in a BaseException; raise the real one
         raise_own(error, f"reading {src.display(src_dir)}", 0)
     writer = BackendWriter(dst, dst_dir, recorder, thread_count=2, compression=compression)

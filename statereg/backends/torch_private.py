@@ -1,0 +1,94 @@
+"""The private torch names statereg uses, each with what happens on a torch without it.
+
+torch promises nothing about underscored names, so every one statereg's backends import comes
+from here and nowhere else: a torch release that moves one breaks this module, in one place,
+with a message that says what to install, instead of a traceback deep inside a save.
+docs/compatibility.md has the same list, the torch versions CI tests, and the private uses
+statereg has replaced with its own code (per-file writes, file views, tensor narrowing,
+nested-dict assignment, the zip writer, element sizes, the in-place DCP load).
+
+`StorageInfo` (`torch.distributed.checkpoint.filesystem._StorageInfo`)
+    What: DCP's record of where one item lies: file, offset, length, stream transforms.
+    Why: `.metadata` stores one per item, so plain `dcp.load` and DCP's FileSystemReader can
+    read a statereg checkpoint; statereg writes them and reads their fields back.
+    Fallback: none can exist, since its pickled name is part of the format DCP reads: without
+    it, importing statereg's DCP glue fails with an ImportError naming what to install. A
+    torch that reorders the fields, or adds one with a default, reads every statereg
+    checkpoint: statereg builds them by field name (`storage_info`) and pickles them the way
+    DCP does, fields by name (tests/compat/test_torch_private.py).
+
+`StreamTransformExtension`, `ExtensionRegistry` (`torch.distributed.checkpoint._extension`)
+    What: DCP's (experimental) registry of stream transforms, which decodes `stream.zstd/1`
+    items in plain `dcp.load`.
+    Why: `codec.FloatPlanes` registers statereg's float-aware decoder there, so a plain DCP
+    reader can load a float-aware compressed checkpoint.
+    Fallback: statereg's own reader decodes every descriptor itself and never needs the
+    registry, so saves and loads through statereg work unchanged; `FloatPlanes` derives from
+    a stand-in base with the same interface and `codec.extension_registry()`, the hand-off to
+    plain DCP readers, raises a StateregError that says why (`EXTENSIONS_AVAILABLE` is False).
+    tests/compat/test_torch_private.py runs statereg with that module hidden.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import IO, Any
+
+import torch
+
+try:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
+except ImportError as exc:  # only on a torch statereg does not support; see the docstring
+    raise ImportError(
+        "statereg needs torch.distributed.checkpoint.filesystem._StorageInfo, which torch "
+        f"{torch.__version__} does not have: install a torch release that docs/compatibility.md "
+        "lists as tested"
+    ) from exc
+
+try:
+    from torch.distributed.checkpoint._extension import (
+        ExtensionRegistry,
+        StreamTransformExtension,
+    )
+
+    EXTENSIONS_AVAILABLE = True
+except ImportError:  # see the docstring: statereg's reader needs no registry
+    EXTENSIONS_AVAILABLE = False
+    ExtensionRegistry = None
+
+    class StreamTransformExtension(abc.ABC):  # type: ignore[no-redef]
+        """Stand-in with the interface of DCP's base, for a torch without `_extension`."""
+
+        @staticmethod
+        @abc.abstractmethod
+        def registry_name() -> str:
+            """The descriptor's name part."""
+
+        @staticmethod
+        @abc.abstractmethod
+        def from_descriptor(version: str) -> StreamTransformExtension:
+            """The extension for one descriptor version."""
+
+        @abc.abstractmethod
+        def get_descriptor(self) -> str:
+            """`name/version`, as stored in `.metadata`."""
+
+        @abc.abstractmethod
+        def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+            """The encoding stream."""
+
+        @abc.abstractmethod
+        def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+            """The decoding stream."""
+
+
+def storage_info(relative_path: str, offset: int, length: int,
+                 transform_descriptors: Sequence[str] | None = None) -> Any:
+    """A StorageInfo built by field name, right on a torch that reorders its fields."""
+    return StorageInfo(relative_path=relative_path, offset=offset, length=length,
+                       transform_descriptors=transform_descriptors)
+
+
+__all__ = ["EXTENSIONS_AVAILABLE", "ExtensionRegistry", "StorageInfo",
+           "StreamTransformExtension", "storage_info"]
