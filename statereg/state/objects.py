@@ -65,9 +65,26 @@ class DataloaderAdapter(ObjectAdapter):
     def restore(self, state: Any) -> None:
         self.check_ready()
         super().restore(state)
-        if callable(getattr(self.obj, "_get_iterator", None)):
-            # StatefulDataLoader builds its next iterator now, drawing a base seed from the
-            # global torch generator; the uninterrupted run drew it before the checkpoint, so
-            # it must not shift the restored stream (dropout after resume would differ).
+        if callable(getattr(type(self.obj), "_get_iterator", None)):
+            self._build_resumed_iterator_outside_the_global_rng()
+
+    def _build_resumed_iterator_outside_the_global_rng(self) -> None:
+        """Let StatefulDataLoader build its resumed iterator where it would, but under fork_rng.
+
+        Building it draws a base seed from the global torch generator, which the
+        uninterrupted run drew before the checkpoint: the draw must not shift the restored
+        stream (dropout after resume would differ). Building it here instead would be
+        too early: it iterates the sampler, fixing e.g. DistributedSampler's shuffle to the
+        epoch it has now, before the usual `sampler.set_epoch(e)` after `mgr.load()`. So the
+        loader's next build (at `iter(loader)` or `state_dict()`) runs once under fork_rng,
+        then the loader's own method takes over again.
+        """
+        loader = self.obj
+        build = type(loader)._get_iterator
+
+        def build_once() -> Any:
+            del loader._get_iterator  # back to the class's method for every later epoch
             with torch.random.fork_rng(devices=[]):
-                self.obj.state_dict()
+                return build(loader)
+
+        loader._get_iterator = build_once
