@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from statereg.errors import SpecError, StateregError
+from statereg.errors import SpecError, StateregError, StorageError
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def _checkpoint_url(text: str) -> str:
     return url
 
 
-def _model_bytes(factory: str, spec: Any) -> dict[str, int]:
+def _model_bytes(factory: str, spec: Any) -> dict[str, list[tuple[str, int]]]:
     """Tensor bytes of the model built by `module:callable`, on the meta device (no memory)."""
     import importlib
 
@@ -53,32 +53,72 @@ def _model_bytes(factory: str, spec: Any) -> dict[str, int]:
     from statereg.state.model import ModelAdapter
 
     module_name, _, attr = factory.partition(":")
+    # As `python -m` does: a module in the current directory imports (the console script
+    # would otherwise look only beside itself and in site-packages).
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
     try:
         build = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise SpecError(f"--model {factory!r}: cannot import it ({exc}); use module:callable"
+        raise SpecError(f"--model {factory!r}: cannot import it ({exc}); use module:callable, "
+                        f"the module in the current directory ({here}) or on PYTHONPATH"
                         ) from None
     models = [n for n, c in spec.components.items() if c.kind == "model"]
     if not models:
         raise SpecError("--model: the declaration has no model component")
     with torch.device("meta"):
         module = build()
-    tensors, _ = ModelAdapter(models[0], module, spec.components[models[0]].prefix).capture()
-    return {models[0]: sum(t.nbytes for t in tensors.values())}
+    tensors = ModelAdapter(models[0], module, spec.components[models[0]].prefix).capture().tensors
+    return {models[0]: [(key, t.nbytes) for key, t in tensors.items()]}
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from statereg.declaration import load_spec
-    from statereg.engine.plan import compile_plan
+    from statereg.engine.plan import WorldLayout, compile_job, render_job
 
     spec = load_spec(args.file)
-    nbytes = _model_bytes(args.model, spec) if args.model else None
-    print(compile_plan(spec, args.world_size, nbytes=nbytes).render())
+    sizes = _model_bytes(args.model, spec) if args.model else None
+    world = WorldLayout(0, args.world_size, _groups(spec, args.world_size, args.group))
+    plans = compile_job(spec, world, sizes=sizes)
+    if args.rank is not None:
+        if not 0 <= args.rank < args.world_size:
+            raise SpecError(f"--rank {args.rank}: give a rank from 0 to {args.world_size - 1}")
+        plans = [plans[args.rank]]
+    print(render_job(plans))
+
+
+def _groups(spec: Any, world_size: int, given: list[str]) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Named groups from `--group NAME=0,1/2,3`; a declared group not given spans every rank."""
+    groups: dict[str, tuple[tuple[int, ...], ...]] = {}
+    for text in given:
+        name, _, layout = text.partition("=")
+        try:
+            copies = tuple(tuple(int(r) for r in part.split(",")) for part in layout.split("/"))
+        except ValueError:
+            raise SpecError(f"--group {text!r}: write NAME=0,1/2,3 (ranks of each copy, "
+                            "copies separated by /)") from None
+        ranks = sorted(r for copy in copies for r in copy)
+        if ranks != list(range(world_size)):
+            raise SpecError(f"--group {text!r}: the copies must hold every rank 0..{world_size - 1}"
+                            " exactly once")
+        groups[name] = copies
+    for comp in spec.components.values():
+        if comp.group and comp.group not in groups:
+            groups[comp.group] = (tuple(range(world_size)),)
+    return groups
 
 
 def cmd_schema(args: argparse.Namespace) -> None:
-    from statereg.schemas import json_schema
+    from statereg.schemas import SCHEMA_FILES, json_schema
 
+    if args.path:
+        # The copy installed with the package (a wheel carries it): a stable file to point
+        # an editor's YAML plugin at.
+        from importlib.resources import files
+
+        print(files("statereg.schemas") / SCHEMA_FILES[args.which])
+        return
     print(json.dumps(json_schema(args.which), indent=2, sort_keys=True))
 
 
@@ -87,7 +127,7 @@ def cmd_ls(args: argparse.Namespace) -> None:
     from statereg.engine.checkpoints import list_committed, read_latest
     from statereg.engine.report import format_bytes, format_table
 
-    backend = open_backend(args.root, _options(args))
+    backend = open_backend(_root(args), _options(args))
     committed = list_committed(backend)
     if not committed:
         print(f"no committed checkpoints in {backend.url}")
@@ -103,6 +143,17 @@ def cmd_ls(args: argparse.Namespace) -> None:
     print("\n".join(format_table(rows)))
 
 
+def _root(args: argparse.Namespace) -> str:
+    """ROOT as given, or else the storage.url of --spec."""
+    if args.root:
+        return str(args.root)
+    if not args.spec:
+        raise SpecError("give ROOT, or --spec statereg.yaml to use its storage.url")
+    from statereg.declaration import load_spec
+
+    return load_spec(args.spec).storage.url
+
+
 def cmd_inspect(args: argparse.Namespace) -> None:
     from statereg.engine.inspect import describe, read_manifest
     from statereg.errors import CheckpointNotFoundError
@@ -112,7 +163,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     except CheckpointNotFoundError:
         if args.json:  # there is no manifest to print
             raise
-        from statereg.formats.interop import describe_foreign
+        from statereg.interop import describe_foreign
 
         print(describe_foreign(args.url, _options(args)))  # plain DCP or safetensors, or raise
         return
@@ -124,7 +175,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
     from statereg.engine.report import format_bytes
-    from statereg.formats.interop import export_hf
+    from statereg.interop import export_hf
     from statereg.schemas.spec import parse_size
 
     try:
@@ -231,20 +282,28 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from statereg import __version__
+
     parser = argparse.ArgumentParser(
         prog="statereg", description="Declarative PyTorch training checkpoints."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="show who writes which component, where and how")
     p.add_argument("file", help="statereg.yaml")
     p.add_argument("--world-size", type=int, default=1, help="ranks to plan for (default 1)")
+    p.add_argument("--rank", type=int, default=None, help="print only this rank's plan")
+    p.add_argument("--group", action="append", default=[], metavar="NAME=0,1/2,3",
+                   help="the copies of a per_group process group (default: one over every rank)")
     p.add_argument("--model", metavar="MODULE:CALLABLE",
                    help="build the model (on the meta device, no memory) to show bytes per rank")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("schema", help="print the JSON Schema of statereg.yaml or of manifest.json")
     p.add_argument("which", nargs="?", choices=("spec", "manifest"), default="spec")
+    p.add_argument("--path", action="store_true",
+                   help="print where the installed schema file is (for an editor's YAML plugin)")
     p.set_defaults(run=cmd_schema)
 
     def storage_args(p: argparse.ArgumentParser) -> None:
@@ -252,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--options", help="storage options as a JSON object")
 
     p = sub.add_parser("ls", help="list committed checkpoints under a root")
-    p.add_argument("root", help="checkpoint root: path or URL")
+    p.add_argument("root", nargs="?",
+                   help="checkpoint root: path or URL (default: storage.url of --spec)")
     storage_args(p)
     p.set_defaults(run=cmd_ls)
 
@@ -307,15 +367,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_REMOTE = ("s3://", "s3a://", "gs://", "gcs://")
+
+
+def _storage_hint(args: argparse.Namespace) -> str:
+    """What to try when a remote store failed and no storage options were given at all."""
+    given = [getattr(args, name, None) for name in ("root", "url", "src", "dst", "out_dir")]
+    remote = [str(u) for u in given if u and str(u).startswith(_REMOTE)]
+    explicit = [getattr(args, name, None) for name in
+                ("spec", "options", "src_options", "dst_options")]
+    if not remote or any(explicit):
+        return ""
+    hint = ("; no --spec or --options was given, so the default cloud endpoint and credentials "
+            "were used: pass --spec statereg.yaml (its storage.options) or --options '{...}'")
+    if any(u.startswith(("s3://", "s3a://")) for u in remote):
+        hint += (", or for an S3-compatible server set AWS_ENDPOINT_URL "
+                 "(e.g. AWS_ENDPOINT_URL=http://127.0.0.1:9000)")
+    return hint
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = args.run(args)
+        sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit
+    except StorageError as exc:
+        print(f"statereg {args.command}: error: {exc}{_storage_hint(args)}", file=sys.stderr)
+        return 1
     except StateregError as exc:
         print(f"statereg {args.command}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SpecError) else 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader stopped early (`statereg schema | head -1`). Point stdout at /dev/null
+        # so the final flush at exit cannot fail again, and exit as a tool killed by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
     return code or 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -21,49 +20,15 @@ from statereg.engine.checkpoints import (
 )
 from statereg.engine.inspect import split_checkpoint_url
 from statereg.engine.load import LoadResult, VerifyMode, load_checkpoint, select_components
-from statereg.engine.plan import CheckpointPlan, compile_plan
+from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
 from statereg.engine.retention import best_checkpoints
-from statereg.engine.save import (
-    CapturedComponent,
-    StagingArea,
-    capture,
-    check_consistency,
-    check_extra,
-    check_replicas,
-    loop_stream,
-    save_checkpoint,
-)
-from statereg.engine.world import World, attempt
+from statereg.engine.saver import SaveHandle, Saver
+from statereg.engine.world import World
 from statereg.errors import CheckpointNotFoundError, SpecError
-from statereg.formats.interop import ForeignKind, detect_foreign, load_foreign
+from statereg.interop import ForeignKind, detect_foreign, load_foreign
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.factory import build_adapters, check_objects
-
-
-class SaveHandle(str):
-    """What save() returns: the checkpoint's URL (a plain str to every caller) and a wait.
-
-    With `save.early_return`, `wait_staged()` blocks until the state is copied to host
-    buffers, after which the loop may change parameters and optimizer state, and re-raises a
-    failure of that copy. Otherwise the copy is done before save() returns, and it returns
-    at once. `CheckpointManager.wait()` waits for the commit.
-    """
-
-    _staged: Future[None] | None
-
-    def __new__(cls, url: str, staged: Future[None] | None = None) -> SaveHandle:
-        handle = super().__new__(cls, url)
-        handle._staged = staged
-        return handle
-
-    def wait_staged(self) -> None:
-        """Block until this save's copy to host buffers is done; re-raise its failure."""
-        if self._staged is not None:
-            self._staged.result()
-
-    def __reduce__(self) -> tuple[type[str], tuple[str]]:
-        # Pickled or copied, a handle is its URL: a Future cannot leave this process.
-        return str, (str(self),)
+from statereg.state.protocols import TensorState
 
 
 @dataclass(frozen=True)
@@ -75,6 +40,14 @@ class CheckpointInfo:
     extra: dict[str, Any]
     path: str
     components: tuple[str, ...]
+
+
+def _lint(spec: RegistrySpec, adapters: dict[str, Any]) -> None:
+    """Refuse, before any collective, a live object whose layout contradicts its declaration
+    (tensors sharded across ranks in a component declared as one copy)."""
+    for name, adapter in adapters.items():
+        if isinstance(adapter, TensorState):
+            check_live_sharing(name, spec.components[name], adapter.sharded_keys())
 
 
 class CheckpointManager:
@@ -92,13 +65,11 @@ class CheckpointManager:
         self.world = World.detect(groups)
         self._objects = dict(objects)
         self._adapters = build_adapters(self.spec, self._objects)
+        _lint(self.spec, self._adapters)
         self._backend = open_backend(self.spec.storage.url, self.spec.storage.options)
-        self.plan: CheckpointPlan = compile_plan(self.spec, self.world.size, self._backend.url)
+        self.plan: RankPlan = compile_plan(self.spec, self.world.layout, self._backend.url)
         self._pending: dict[str, Any] = {}
-        self._staging = StagingArea(pinned=self.spec.save.async_mode == "pinned")
-        self._executor: ThreadPoolExecutor | None = None
-        self._inflight: Future[Committed] | None = None
-        self._staged: Future[None] | None = None
+        self._saver = Saver(self.spec, self._backend, self.world)
 
     # -- saving -------------------------------------------------------------------------
 
@@ -110,50 +81,7 @@ class CheckpointManager:
         the write and commit run in the background (see `wait`). With `save.early_return`
         the copy runs in the background too: call `wait_staged()` before changing the state.
         """
-        if not isinstance(step, int) or step < 0:
-            raise SpecError(f"save(step={step!r}): step must be a non-negative int")
-        self.wait()
-        extra = check_extra(extra)
-        world = self.world
-        captured, error = attempt(capture, self.plan, self._adapters, world)
-        world.agree(error, f"save of step {step}: reading state")
-        check_consistency(world, self.spec, captured)
-        _, error = attempt(check_replicas, world, captured)
-        world.agree(error, f"save of step {step}: validating replicas")
-        args = (self._backend, self.spec)
-        rest = (step, tokens_seen, extra, world)
-        url = self._backend.display(checkpoint_name(step))
-        if self.spec.save.async_mode == "off":
-            save_checkpoint(*args, captured, *rest)
-            return SaveHandle(url)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="statereg-save")
-        if not self.spec.save.early_return:
-            staged = self._stage(captured, step)
-            self._inflight = self._executor.submit(save_checkpoint, *args, staged, *rest)
-            return SaveHandle(url)
-        done: Future[None] = Future()
-        stream = loop_stream()
-
-        def stage_then_save() -> Committed:
-            try:
-                staged = self._stage(captured, step, stream)
-            except BaseException as exc:
-                done.set_exception(exc)
-                raise
-            done.set_result(None)
-            return save_checkpoint(*args, staged, *rest)
-
-        self._staged = done
-        self._inflight = self._executor.submit(stage_then_save)
-        return SaveHandle(url, done)
-
-    def _stage(self, captured: list[CapturedComponent], step: int, stream: Any = None,
-               ) -> list[CapturedComponent]:
-        """Copy the tensors into the staging buffers; a failure on any rank fails every rank."""
-        staged, error = attempt(self._staging.stage, captured, stream)
-        self.world.agree(error, f"save of step {step}: copying state to host buffers")
-        return staged
+        return self._saver.save(self.plan, self._adapters, step, tokens_seen, extra)
 
     def wait_staged(self) -> None:
         """Block until the pending save's copy to host buffers is done; re-raise its failure.
@@ -162,14 +90,11 @@ class CheckpointManager:
         call this (or `wait_staged()` on the handle) before it changes parameters or
         optimizer state. A failure is raised again by the next `wait()` or `save()`.
         """
-        if self._staged is not None:
-            self._staged.result()
+        self._saver.wait_staged()
 
     def wait(self) -> None:
         """Block until the pending background save is committed; re-raise its failure."""
-        inflight, self._inflight, self._staged = self._inflight, None, None
-        if inflight is not None:
-            inflight.result()
+        self._saver.wait()
 
     # -- loading ------------------------------------------------------------------------
 
@@ -251,13 +176,14 @@ class CheckpointManager:
             foreign = None if path is None else self._foreign(path)
             if foreign is None:
                 raise
-            return load_foreign(*foreign, self.plan, self._adapters, include, exclude,
+            kinds = {name: comp.kind for name, comp in self.spec.components.items()}
+            return load_foreign(*foreign, kinds, self._adapters, include, exclude,
                                 self.world, strict)
         if resolved is None:
             return None
         backend, committed = resolved
         names = select_components(self.spec.components, committed, include, exclude)
-        result, pending = load_checkpoint(backend, committed, self.plan, self._adapters, names,
+        result, pending = load_checkpoint(backend, committed, self.spec, self._adapters, names,
                                           self.world, strict=strict, verify=verify)
         self._pending.update(pending)
         return result
@@ -267,6 +193,7 @@ class CheckpointManager:
         check_objects(self.spec, objects, initial=False)
         self._objects.update(objects)
         self._adapters = build_adapters(self.spec, self._objects)
+        _lint(self.spec, {n: a for n, a in self._adapters.items() if n in objects})
         for name in objects:
             if name in self._pending:
                 adapter = self._adapters[name]
@@ -307,12 +234,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for a pending save and stop the background thread."""
-        try:
-            self.wait()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown()
-                self._executor = None
+        self._saver.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -34,7 +34,7 @@ import statereg.engine.save as engine_save
 import statereg.manager as manager_module
 from perfsuite.measure import PageCache, Timing, fresh_dir, measure
 from statereg.backends.dcp_io import BackendWriter
-from statereg.engine.save import StateregSavePlanner
+from statereg.engine.layouts.dcp import StateregSavePlanner
 
 CATEGORIES = {
     "plan": [(manager_module, "capture"), (manager_module, "check_consistency"),

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from statereg.engine.plan import WORLD, WorldLayout
 from statereg.errors import SpecError, StateregError
 
 
@@ -60,20 +61,39 @@ class World:
     size: int = 1
     group: Any = None  # statereg's own gloo group over all ranks; None when not distributed
     groups: Mapping[str, Any] = field(default_factory=dict)
+    layout: WorldLayout = field(default_factory=WorldLayout)
 
     @classmethod
     def detect(cls, groups: Mapping[str, Any] | None = None) -> World:
-        """The current world: torch.distributed's if initialized, else a single process."""
+        """The current world: torch.distributed's if initialized, else a single process.
+
+        Collective: every rank learns every copy of each named group (their members), so
+        plans name every group's directory, and a rank outside every group is an error now.
+        """
         if not (dist.is_available() and dist.is_initialized()):
             if groups:
                 raise SpecError("groups=... needs torch.distributed to be initialized")
             return cls()
+        groups = dict(groups or {})
         group = dist.new_group(backend="gloo")
-        return cls(dist.get_rank(), dist.get_world_size(), group, dict(groups or {}))
+        rank, size = dist.get_rank(), dist.get_world_size()
+        mine = {name: tuple(sorted(dist.get_process_group_ranks(g)))
+                for name, g in sorted(groups.items())}
+        everyone: list[Any] = [None] * size
+        dist.all_gather_object(everyone, mine, group=group)
+        layout = WorldLayout(rank, size, {
+            name: tuple(sorted({ranks[name] for ranks in everyone})) for name in mine})
+        return cls(rank, size, group, groups, layout)
 
     @property
     def distributed(self) -> bool:
         return self.group is not None
+
+    def process_group(self, collective: str | None) -> Any:
+        """The process group of a task's collective (None: this rank alone)."""
+        if collective is None or not self.distributed:
+            return None
+        return self.group if collective == WORLD else self.groups[collective]
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (just [obj] on one process)."""
@@ -109,15 +129,3 @@ class World:
         if failed:
             lines = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
             raise StateregError(f"{what} failed on {len(failed)} of {self.size} ranks ({lines})")
-
-    def group_id(self, name: str) -> str:
-        """A stable id for this rank's copy of process group `name` (its lowest global rank)."""
-        if name not in self.groups:
-            raise SpecError(
-                f"sharing 'per_group' names group {name!r}, but CheckpointManager got no such "
-                f"group; pass groups={{{name!r}: process_group}}"
-            )
-        return f"group_{min(dist.get_process_group_ranks(self.groups[name])):05d}"
-
-    def group_rank(self, name: str) -> int:
-        return dist.get_rank(self.groups[name]) if self.distributed else 0

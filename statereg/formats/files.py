@@ -12,19 +12,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import WrittenFile
-from statereg.engine.jsonstate import decode_state, encode_state
-from statereg.engine.plan import TORCH_MODEL_NAME
-from statereg.errors import SpecError
 from statereg.formats.hf import SafetensorsDirectory, write_safetensors
+from statereg.formats.jsonstate import decode_state, encode_state
+from statereg.formats.names import TORCH_MODEL_NAME
 from statereg.formats.tensors import gather_full, tensor_meta
 from statereg.formats.torchfile import TorchFile, decode_torch, encode_torch
 from statereg.schemas.manifest import ComponentRecord
 from statereg.schemas.spec import DEFAULT_MAX_SHARD_SIZE, Format, parse_size
-from statereg.state.model import ModelAdapter
+from statereg.state.protocols import TensorState
 
 # Model formats that hold full tensors in whole files (the others: dcp).
 MODEL_FILE_FORMATS = frozenset({"safetensors", "torch"})
@@ -40,11 +38,12 @@ def decode_object(fmt: Format, data: bytes, where: str) -> Any:
 
 
 def write_model_files(backend: StorageBackend, directory: str, fmt: Format,
-                      tensors: dict[str, torch.Tensor], group: Any, max_shard_size: int | None,
+                      tensors: dict[str, torch.Tensor], group: Any, writes: bool,
+                      max_shard_size: int | None,
                       on_written: Callable[[WrittenFile], None]) -> None:
-    """Write a model's full tensors under `directory` (collective over `group`, if any)."""
+    """Write a model's full tensors under `directory`: a collective over `group` (if any)
+    that gathers them; the rank that `writes` writes the files."""
     metas = {k: tensor_meta(t) for k, t in tensors.items()}
-    writes = group is None or dist.get_rank(group) == 0
 
     def fetch(names: list[str]) -> dict[str, torch.Tensor] | None:
         return gather_full(tensors, names, group)
@@ -67,20 +66,14 @@ def open_model_files(backend: StorageBackend, directory: str, fmt: Format,
     return TorchFile(backend, f"{directory}/{TORCH_MODEL_NAME}")
 
 
-def prepare_model_files(backend: StorageBackend, directory: str, name: str,
-                        record: ComponentRecord, adapter: Any, strict: bool,
-                        ) -> Callable[[], None]:
+def prepare_model_files(backend: StorageBackend, directory: str, record: ComponentRecord,
+                        adapter: TensorState, strict: bool) -> Callable[[], None]:
     """Check a model component's files against the live model; return the step that loads it."""
-    if not isinstance(adapter, ModelAdapter):
-        raise SpecError(
-            f"component {name!r} (format {record.format}) has no model to load into; pass it "
-            "to CheckpointManager(...) or exclude it"
-        )
     source = open_model_files(backend, directory, record.format)
-    targets = adapter.load_targets(source.metas, record.meta, strict)
+    targets = adapter.load_targets(source.metas, record.meta, strict, None)
 
     def apply() -> None:
         source.load_into(targets)
-        adapter.after_load(targets, record.meta)
+        adapter.apply(targets, record.meta, None)
 
     return apply

@@ -19,8 +19,8 @@ from statereg.backends.base import StorageBackend
 from statereg.backends.dcp_io import METADATA_NAME, BackendReader, SafeLoadPlanner
 from statereg.errors import CheckpointMismatchError
 from statereg.formats.tensors import dcp_tensor_metas, nbytes
-from statereg.state.model import TensorMeta
 from statereg.state.optimizer import OptimizerAdapter
+from statereg.state.protocols import TensorMeta
 
 _GROUPS = "param_groups."
 
@@ -109,10 +109,10 @@ def prepare_optimizer(source: DCPDirectory, name: str, adapter: OptimizerAdapter
                       ) -> Callable[[], None]:
     """Check an optimizer against `state.<param>.<entry>` and `param_groups` items."""
     extra = {"param_groups": _param_groups(source, name), "state": {}}
-    targets = adapter.load_targets(source.metas, extra)
+    targets = adapter.load_targets(source.metas, {}, True, extra)
 
     def apply() -> None:
         source.load_into(targets)
-        adapter.apply(targets, extra)
+        adapter.apply(targets, {}, extra)
 
     return apply

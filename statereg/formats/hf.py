@@ -19,12 +19,18 @@ import torch
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import WrittenFile
 from statereg.errors import CheckpointNotFoundError, CorruptCheckpointError
+from statereg.formats.names import (
+    SAFETENSORS_INDEX_NAME,
+    SAFETENSORS_SINGLE_NAME,
+    SAFETENSORS_SUFFIX,
+    shard_file_name,
+)
 from statereg.formats.tensors import copy_full_into, nbytes, owned, plan_shards
-from statereg.state.model import TensorMeta
+from statereg.state.protocols import TensorMeta
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-SUFFIX = ".safetensors"
+INDEX_NAME = SAFETENSORS_INDEX_NAME
+SINGLE_NAME = SAFETENSORS_SINGLE_NAME
+SUFFIX = SAFETENSORS_SUFFIX
 # safetensors' own bound on the JSON header; anything larger is not a safetensors file.
 _MAX_HEADER = 100 * 1024 * 1024
 _DTYPES = {
@@ -40,10 +46,6 @@ Fetch = Callable[[list[str]], "dict[str, torch.Tensor] | None"]
 
 def join(directory: str, name: str) -> str:
     return f"{directory}/{name}" if directory else name
-
-
-def shard_file_name(index: int, count: int) -> str:
-    return f"model-{index:05d}-of-{count:05d}{SUFFIX}"
 
 
 def cast_metas(metas: dict[str, TensorMeta], dtype: torch.dtype | None,

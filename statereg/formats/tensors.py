@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from statereg.errors import CorruptCheckpointError
-from statereg.state.model import TensorMeta
+from statereg.formats.names import group_by_size
+from statereg.state.protocols import TensorMeta
 
 
 def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
@@ -40,20 +41,8 @@ def nbytes(meta: TensorMeta, dtype: torch.dtype | None = None) -> int:
 
 
 def plan_shards(metas: dict[str, TensorMeta], max_bytes: int) -> list[list[str]]:
-    """Names grouped into files of at most `max_bytes`, in order; a larger tensor is alone.
-
-    Deterministic from names, shapes and dtypes, so every rank computes the same files.
-    """
-    shards: list[list[str]] = []
-    size = 0
-    for name, meta in metas.items():
-        tensor_bytes = nbytes(meta)
-        if not shards or (size + tensor_bytes > max_bytes and shards[-1]):
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += tensor_bytes
-    return shards
+    """Names grouped into files of at most `max_bytes`, in order; a larger tensor is alone."""
+    return group_by_size(((name, nbytes(meta)) for name, meta in metas.items()), max_bytes)
 
 
 def _local_piece(tensor: torch.Tensor, group_rank: int) -> tuple[tuple[int, ...], Any] | None:

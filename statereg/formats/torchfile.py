@@ -17,7 +17,7 @@ import torch
 from statereg.backends.base import StorageBackend
 from statereg.errors import CorruptCheckpointError, SpecError
 from statereg.formats.tensors import copy_full_into, tensor_meta
-from statereg.state.model import TensorMeta
+from statereg.state.protocols import TensorMeta
 
 
 def _load(data: bytes) -> Any:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from statereg.schemas.sharing import verdict
 
 Kind = Literal["model", "optimizer", "scheduler", "dataloader", "rng", "custom"]
 Sharing = Literal["global", "replicated", "per_rank", "per_group", "sharded"]
@@ -108,7 +111,9 @@ class ComponentSpec(_Declared):
     sharing: Sharing | None = Field(
         default=None,
         description="How the state is shared across ranks (default depends on kind: model and "
-        "optimizer sharded, scheduler global, dataloader and rng per_rank, custom global).",
+        "optimizer sharded, scheduler global, dataloader and rng per_rank, custom global). "
+        "Combinations that cannot be right (e.g. rng: global, scheduler: sharded) are refused; "
+        "the kind x sharing table is in docs/distributed.md.",
     )
     format: Format | None = Field(
         default=None,
@@ -179,6 +184,16 @@ class ComponentSpec(_Declared):
             raise ValueError("'validate' applies to sharing 'replicated' only")
         if self.on_world_size_change != "error" and self.resolved_sharing != "per_rank":
             raise ValueError("'on_world_size_change' applies to sharing 'per_rank' only")
+        if (self.on_world_size_change == "reshard" and self.resolved_format == "dcp"):
+            raise ValueError("'on_world_size_change: reshard' needs an object's own "
+                             "reshard_state_dict, which format dcp does not call; use reset, or "
+                             "format json / torch")
+        judged, why = verdict(self.kind, self.resolved_sharing, self.resolved_format)
+        if judged == "refuse":
+            raise ValueError(f"sharing {self.resolved_sharing!r} does not fit a {self.kind}: {why}")
+        if judged == "warn":
+            warnings.warn(f"sharing {self.resolved_sharing!r} for a {self.kind}: {why}",
+                          UserWarning, stacklevel=2)
         return self
 
     @property
@@ -297,7 +312,11 @@ class SaveSpec(_Declared):
     @field_validator("async_mode", mode="before")
     @classmethod
     def _yaml_off_is_false(cls, value: Any) -> Any:
-        # YAML 1.1 reads an unquoted `off` as the boolean false.
+        # YAML 1.1 reads an unquoted `off` as the boolean false, and `on` / `yes` / `true`
+        # as true, which names no mode.
+        if value is True:
+            raise ValueError("`on` (like yes and true) is YAML for true, which names no mode: "
+                             "write thread (or pinned, or off)")
         return "off" if value is False else value
 
     @model_validator(mode="after")

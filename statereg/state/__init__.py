@@ -1,9 +1,10 @@
 """Adapters from live objects (model, optimizer, scheduler, dataloader, RNG, custom) to state."""
 
 from statereg.state.factory import build_adapters
-from statereg.state.model import ModelAdapter, TensorMeta
+from statereg.state.model import ModelAdapter
 from statereg.state.objects import DataloaderAdapter, ObjectAdapter
 from statereg.state.optimizer import OptimizerAdapter
+from statereg.state.protocols import TensorMeta
 from statereg.state.rng import RNGAdapter
 
 __all__ = [

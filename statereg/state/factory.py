@@ -9,9 +9,39 @@ from statereg.schemas.spec import RegistrySpec
 from statereg.state.model import ModelAdapter
 from statereg.state.objects import DataloaderAdapter, ObjectAdapter
 from statereg.state.optimizer import OptimizerAdapter
+from statereg.state.protocols import (
+    ObjectState,
+    TensorCapture,
+    TensorMeta,
+    TensorState,
+    sharded_keys_of,
+)
 from statereg.state.rng import RNGAdapter
 
-Adapter = ModelAdapter | OptimizerAdapter | ObjectAdapter | RNGAdapter
+Adapter = TensorState | ObjectState
+
+
+class ObjectTensors:
+    """A custom object whose state dict holds tensors, stored with format dcp: DCP loads the
+    saved values into the structure the object's own state_dict() returns, in place."""
+
+    def __init__(self, objects: ObjectAdapter) -> None:
+        self.name = objects.name
+        self._objects = objects
+
+    def capture(self) -> TensorCapture:
+        return TensorCapture(self._objects.capture())
+
+    def sharded_keys(self) -> list[str]:
+        return sharded_keys_of(self._objects.capture())
+
+    def load_targets(self, stored: dict[str, TensorMeta], meta: dict[str, Any], strict: bool,
+                     sidecar: dict[str, Any] | None) -> dict[str, Any]:
+        return self._objects.capture()
+
+    def apply(self, targets: dict[str, Any], meta: dict[str, Any],
+              sidecar: dict[str, Any] | None) -> None:
+        self._objects.restore(targets)
 
 
 def check_objects(spec: RegistrySpec, objects: dict[str, Any], *, initial: bool) -> None:
@@ -63,6 +93,8 @@ def build_adapters(spec: RegistrySpec, objects: dict[str, Any]) -> dict[str, Ada
             adapters[name] = OptimizerAdapter(name, objects[name], model)
         elif comp.kind == "dataloader":
             adapters[name] = DataloaderAdapter(name, comp.kind, objects[name])
+        elif comp.resolved_format == "dcp":
+            adapters[name] = ObjectTensors(ObjectAdapter(name, comp.kind, objects[name]))
         else:
             adapters[name] = ObjectAdapter(name, comp.kind, objects[name])
     return adapters

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from statereg.errors import CheckpointMismatchError, SpecError
 from statereg.schemas.spec import PrefixSpec
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape and dtype of a stored tensor, as DCP's metadata records it."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+from statereg.state.protocols import TensorCapture, TensorMeta, sharded_keys_of
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
@@ -112,10 +103,13 @@ class ModelAdapter:
             tensors[stored] = tensor
         return tensors, aliases
 
-    def capture(self) -> tuple[dict[str, torch.Tensor], dict]:
+    def capture(self) -> TensorCapture:
         """Stored name -> live tensor (no copy), and manifest metadata (aliases)."""
         tensors, aliases = self._live_tensors()
-        return tensors, {"aliases": aliases} if aliases else {}
+        return TensorCapture(tensors, {"aliases": aliases} if aliases else {})
+
+    def sharded_keys(self) -> list[str]:
+        return sharded_keys_of(self._live_tensors()[0])
 
     def key_differences(self, stored: dict[str, TensorMeta], meta: dict,
                         ) -> tuple[list[str], list[str]]:
@@ -130,7 +124,7 @@ class ModelAdapter:
         return missing, unexpected
 
     def load_targets(self, stored: dict[str, TensorMeta], meta: dict, strict: bool,
-                     cast: bool = False) -> dict[str, torch.Tensor]:
+                     sidecar: dict | None = None, cast: bool = False) -> dict[str, torch.Tensor]:
         """The live tensors to load into, after checking every key, shape and dtype.
 
         `cast` lets floating-point tensors load into another floating dtype (an imported
@@ -159,7 +153,8 @@ class ModelAdapter:
             )
         return {k: t for k, t in tensors.items() if k in stored}
 
-    def after_load(self, targets: dict[str, torch.Tensor], meta: dict) -> None:
+    def apply(self, targets: dict[str, torch.Tensor], meta: dict,
+              sidecar: dict | None = None) -> None:
         """Fill weights that were tied when saved but are separate tensors in this model."""
         tensors, _ = self._live_tensors()
         with torch.no_grad():

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from statereg.errors import CheckpointMismatchError, SpecError
-from statereg.state.model import ModelAdapter, TensorMeta, mismatch_report
+from statereg.errors import CheckpointMismatchError, CorruptCheckpointError, SpecError
+from statereg.state.model import ModelAdapter, mismatch_report
+from statereg.state.protocols import TensorCapture, TensorMeta, sharded_keys_of
 
 _STATE = "state."
 
@@ -22,6 +23,16 @@ _STATE = "state."
 def _split_key(key: str) -> tuple[str, str]:
     param, _, entry = key[len(_STATE):].rpartition(".")
     return param, entry
+
+
+def _require_sidecar(name: str, sidecar: dict[str, Any] | None) -> dict[str, Any]:
+    if not isinstance(sidecar, dict) or not isinstance(sidecar.get("param_groups"), list) \
+            or not isinstance(sidecar.get("state"), dict):
+        raise CorruptCheckpointError(
+            f"component {name!r}: the optimizer's param groups and scalar state are missing or "
+            "malformed; the checkpoint is damaged: load an earlier one"
+        )
+    return sidecar
 
 
 class OptimizerAdapter:
@@ -56,8 +67,9 @@ class OptimizerAdapter:
                 )
         return names
 
-    def capture(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Tensor state under `state.<param>.<key>` (no copy), and the rest as JSON-able data."""
+    def capture(self) -> TensorCapture:
+        """Tensor state under `state.<param>.<key>` (no copy), and the rest as JSON-able data
+        (the sidecar: param groups and scalar state)."""
         names = self._names_by_param()
         tensors: dict[str, torch.Tensor] = {}
         scalars: dict[str, dict[str, Any]] = {}
@@ -73,7 +85,10 @@ class OptimizerAdapter:
              "params": [names[id(p)] for p in group["params"]]}
             for group in self.optimizer.param_groups
         ]
-        return tensors, {"param_groups": groups, "state": scalars}
+        return TensorCapture(tensors, {}, {"param_groups": groups, "state": scalars})
+
+    def sharded_keys(self) -> list[str]:
+        return sharded_keys_of(self.capture().tensors)
 
     def _check_groups(self, saved_groups: list[dict[str, Any]]) -> None:
         names = self._names_by_param()
@@ -93,9 +108,12 @@ class OptimizerAdapter:
                      "not in optimizer": sorted(saved_names - live_names)},
                 ))
 
-    def load_targets(self, stored: dict[str, TensorMeta], extra: dict[str, Any]
-                     ) -> dict[str, torch.Tensor]:
-        """Tensors to load into, one per stored entry; the optimizer is not modified yet."""
+    def load_targets(self, stored: dict[str, TensorMeta], meta: dict[str, Any], strict: bool,
+                     sidecar: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+        """Tensors to load into, one per stored entry; the optimizer is not modified yet.
+
+        Always strict: optimizer state for a parameter the model lacks is an error."""
+        extra = _require_sidecar(self.name, sidecar)
         self._check_groups(extra["param_groups"])
         params = self._params_by_name()
         targets: dict[str, torch.Tensor] = {}
@@ -117,8 +135,10 @@ class OptimizerAdapter:
                 targets[key] = torch.empty(meta.shape, dtype=meta.dtype)
         return targets
 
-    def apply(self, targets: dict[str, torch.Tensor], extra: dict[str, Any]) -> None:
+    def apply(self, targets: dict[str, torch.Tensor], meta: dict[str, Any],
+              sidecar: dict[str, Any] | None) -> None:
         """Install the loaded tensors and hyperparameters into the optimizer."""
+        extra = _require_sidecar(self.name, sidecar)
         params = self._params_by_name()
         pid = {id(p): i for i, p in enumerate(self._ordered_params())}
         state: dict[int, dict[str, Any]] = {}

@@ -28,6 +28,9 @@ class RNGAdapter:
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
+    def check_ready(self) -> None:
+        """Generators can be restored at any time."""
+
     def restore(self, state: dict[str, Any]) -> None:
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])

@@ -184,11 +184,9 @@ def test_an_optimizer_over_foreign_parameters_is_a_spec_error(make_spec):
     model, _ = build(seed=0)
     stranger = nn.Linear(3, 5)
     optimizer = torch.optim.SGD(list(model.parameters()) + list(stranger.parameters()), lr=0.1)
-    mgr = statereg.CheckpointManager(make_spec("model", "optimizer"), model=model,
-                                     optimizer=optimizer)
-
     with pytest.raises(statereg.SpecError, match=r"parameter of shape \[5, 3\]"):
-        mgr.save(step=1)
+        statereg.CheckpointManager(make_spec("model", "optimizer"), model=model,
+                                   optimizer=optimizer)  # refused at construction
 
 
 def test_an_optimizer_component_needs_an_optimizer(make_spec):

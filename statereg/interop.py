@@ -25,7 +25,6 @@ from statereg.backends.dcp_io import METADATA_NAME
 from statereg.backends.registry import open_backend, url_scheme
 from statereg.engine.inspect import open_checkpoint, split_checkpoint_url
 from statereg.engine.load import KeyReport, LoadResult
-from statereg.engine.plan import CheckpointPlan
 from statereg.engine.report import format_bytes, format_table
 from statereg.engine.world import World, attempt
 from statereg.errors import CheckpointMismatchError, CheckpointNotFoundError, SpecError
@@ -46,7 +45,6 @@ from statereg.formats.tensors import nbytes
 from statereg.schemas.spec import DEFAULT_MAX_SHARD_SIZE, PrefixSpec, parse_size
 from statereg.state.factory import Adapter
 from statereg.state.model import ModelAdapter
-from statereg.state.optimizer import OptimizerAdapter
 
 logger = logging.getLogger("statereg")
 
@@ -146,11 +144,12 @@ def _foreign_components(kind: ForeignKind, declared: dict[str, str], include: li
     return chosen
 
 
-def load_foreign(backend: StorageBackend, name: str, kind: ForeignKind, plan: CheckpointPlan,
-                 adapters: dict[str, Adapter], include: list[str] | None, exclude: list[str],
-                 world: World, strict: bool) -> LoadResult:
-    """Fill named components from a foreign directory, checking all of them before any loads."""
-    declared = {c.name: c.kind for c in plan.components}
+def load_foreign(backend: StorageBackend, name: str, kind: ForeignKind,
+                 declared: dict[str, str], adapters: dict[str, Adapter],
+                 include: list[str] | None, exclude: list[str], world: World, strict: bool,
+                 ) -> LoadResult:
+    """Fill named components (`declared`: name -> kind) from a foreign directory, checking all
+    of them before any loads."""
     names = _foreign_components(kind, declared, include, exclude)
     steps: list[Callable[[], None]] = []
     reports: dict[str, KeyReport] = {}
@@ -164,9 +163,9 @@ def load_foreign(backend: StorageBackend, name: str, kind: ForeignKind, plan: Ch
             source = open_foreign(backend, name, kind, "" if kind == "hf" else f"{comp}.")
             if isinstance(source, DCPDirectory):
                 check_component_names(source, comp)
-            if isinstance(adapter, OptimizerAdapter) and isinstance(source, DCPDirectory):
+            if declared[comp] == "optimizer" and isinstance(source, DCPDirectory):
                 steps.append(prepare_optimizer(source, comp, adapter))
-            elif isinstance(adapter, ModelAdapter):
+            else:
                 apply, reports[comp] = prepare_model(source, adapter, strict)
                 steps.append(apply)
 

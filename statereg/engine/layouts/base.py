@@ -1,0 +1,101 @@
+"""What every layout executor takes and returns: plain records, no format branches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from statereg.backends.base import StorageBackend
+from statereg.backends.checksum import FileRecorder
+from statereg.backends.codec import CompressionSettings
+from statereg.engine.plan import LoadTask, Task
+from statereg.engine.world import World
+from statereg.errors import SpecError
+from statereg.schemas.manifest import ComponentRecord
+
+
+@dataclass
+class Captured:
+    """One component's state on this rank at save time: tensors (live references until
+    staged), the small state recorded in the manifest, and small files as bytes."""
+
+    task: Task
+    tensors: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    blobs: dict[str, bytes] = field(default_factory=dict)  # path in the checkpoint -> bytes
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in (self.tensors or {}).values()
+                   if isinstance(t, torch.Tensor))
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor_bytes + sum(len(b) for b in self.blobs.values())
+
+
+@dataclass
+class WriteContext:
+    """Where and how this rank's files of one checkpoint are written."""
+
+    backend: StorageBackend
+    name: str  # the checkpoint directory
+    world: World
+    recorder: FileRecorder
+    compression: CompressionSettings | None
+    reuse: Callable[[str], Any] | None = None  # directory -> what an incremental save reuses
+
+
+@dataclass
+class ReadContext:
+    """Where one checkpoint is read from, for this rank."""
+
+    backend: StorageBackend
+    name: str
+    world: World
+    sizes: dict[str, int] | None  # recorded sizes, when verified: spare a request per file
+    strict: bool = True
+
+
+@dataclass
+class Prepared:
+    """A checked load: `apply` modifies live objects; `pending` is state held for an object
+    that is not attached yet (applied by mgr.attach)."""
+
+    apply: Callable[[], None]
+    pending: Any = None
+
+
+def nothing() -> None:
+    """A load step that changes nothing (a component reset on a world-size change)."""
+
+
+class LayoutExecutor(Protocol):
+    """Executes the save and load tasks of one layout."""
+
+    def capture(self, task: Task, adapter: Any) -> Captured:
+        """This rank's state of the component (no copy of tensors)."""
+        ...
+
+    def write(self, item: Captured, ctx: WriteContext) -> Any:
+        """Write this rank's files of the component except `item.blobs` (the caller writes
+        those); returns what an incremental save learns (or None)."""
+        ...
+
+    def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
+                ctx: ReadContext) -> Prepared:
+        """Check the stored component against the live object and return the load step;
+        nothing live changes until `apply` runs."""
+        ...
+
+
+def require_object(task: LoadTask, adapter: Any) -> Any:
+    if adapter is None:
+        raise SpecError(
+            f"component {task.component!r} (format {task.format}) has no object to load into; "
+            "pass it to CheckpointManager(...) or exclude it"
+        )
+    return adapter

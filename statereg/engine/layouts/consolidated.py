@@ -1,0 +1,38 @@
+"""The `consolidated` layout: a model's full tensors in whole files (safetensors, torch.save).
+
+Every rank of the task's collective sends its shards; the leader writes full tensors. On
+load every rank takes its own slice of each full tensor, so loading needs no collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from statereg.engine.layouts.base import (
+    Captured,
+    Prepared,
+    ReadContext,
+    WriteContext,
+    require_object,
+)
+from statereg.engine.plan import LoadTask, Task
+from statereg.formats.files import prepare_model_files, write_model_files
+from statereg.schemas.manifest import ComponentRecord
+
+
+class ConsolidatedLayout:
+    def capture(self, task: Task, adapter: Any) -> Captured:
+        state = adapter.capture()
+        return Captured(task, tensors=state.tensors, meta=state.meta)
+
+    def write(self, item: Captured, ctx: WriteContext) -> None:
+        task = item.task
+        write_model_files(ctx.backend, f"{ctx.name}/{task.directory}", task.format,
+                          item.tensors or {}, ctx.world.process_group(task.collective),
+                          task.leader, task.max_shard_size, ctx.recorder.add)
+
+    def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
+                ctx: ReadContext) -> Prepared:
+        adapter = require_object(task, adapter)
+        return Prepared(prepare_model_files(ctx.backend, f"{ctx.name}/{task.directory}",
+                                            record, adapter, ctx.strict))

@@ -1,0 +1,135 @@
+"""The whole save pipeline of one run: capture, cross-rank checks, staging, the background
+write and the commit. The manager only hands it the plan and the live adapters.
+
+    save(step) -> capture (plan's tasks) -> check keys and replicas on every rank
+               -> off:   write and commit now
+               -> async: copy into reused host buffers, then write and commit on a thread
+               -> early_return: the copy itself runs on that thread (wait_staged() first)
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from statereg.backends.base import StorageBackend
+from statereg.engine.checkpoints import Committed, checkpoint_name
+from statereg.engine.layouts import Captured
+from statereg.engine.plan import RankPlan
+from statereg.engine.save import (
+    capture,
+    check_consistency,
+    check_extra,
+    check_replicas,
+    save_checkpoint,
+)
+from statereg.engine.staging import StagingArea, loop_stream
+from statereg.engine.world import World, attempt
+from statereg.errors import SpecError
+from statereg.schemas.spec import RegistrySpec
+
+
+class SaveHandle(str):
+    """What save() returns: the checkpoint's URL (a plain str to every caller) and a wait.
+
+    With `save.early_return`, `wait_staged()` blocks until the state is copied to host
+    buffers, after which the loop may change parameters and optimizer state, and re-raises a
+    failure of that copy. Otherwise the copy is done before save() returns, and it returns
+    at once. `CheckpointManager.wait()` waits for the commit.
+    """
+
+    _staged: Future[None] | None
+
+    def __new__(cls, url: str, staged: Future[None] | None = None) -> SaveHandle:
+        handle = super().__new__(cls, url)
+        handle._staged = staged
+        return handle
+
+    def wait_staged(self) -> None:
+        """Block until this save's copy to host buffers is done; re-raise its failure."""
+        if self._staged is not None:
+            self._staged.result()
+
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        # Pickled or copied, a handle is its URL: a Future cannot leave this process.
+        return str, (str(self),)
+
+
+class Saver:
+    """Runs saves of one run, at most one in flight."""
+
+    def __init__(self, spec: RegistrySpec, backend: StorageBackend, world: World) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.world = world
+        self._staging = StagingArea(pinned=spec.save.async_mode == "pinned")
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[Committed] | None = None
+        self._staged: Future[None] | None = None
+
+    def save(self, plan: RankPlan, adapters: dict[str, Any], step: int,
+             tokens_seen: int | None, extra: dict[str, Any] | None) -> SaveHandle:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise SpecError(f"save(step={step!r}): step must be a non-negative int")
+        self.wait()
+        extra = check_extra(extra)
+        world = self.world
+        captured, error = attempt(capture, plan, adapters)
+        world.agree(error, f"save of step {step}: reading state")
+        check_consistency(world, self.spec, captured)
+        _, error = attempt(check_replicas, world, captured)
+        world.agree(error, f"save of step {step}: validating replicas")
+        args = (self.backend, self.spec)
+        rest = (step, tokens_seen, extra, world)
+        url = self.backend.display(checkpoint_name(step))
+        if self.spec.save.async_mode == "off":
+            save_checkpoint(*args, captured, *rest)
+            return SaveHandle(url)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="statereg-save")
+        if not self.spec.save.early_return:
+            staged = self._stage(captured, step)
+            self._inflight = self._executor.submit(save_checkpoint, *args, staged, *rest)
+            return SaveHandle(url)
+        done: Future[None] = Future()
+        stream = loop_stream()
+
+        def stage_then_save() -> Committed:
+            try:
+                staged = self._stage(captured, step, stream)
+            except BaseException as exc:
+                done.set_exception(exc)
+                raise
+            done.set_result(None)
+            return save_checkpoint(*args, staged, *rest)
+
+        self._staged = done
+        self._inflight = self._executor.submit(stage_then_save)
+        return SaveHandle(url, done)
+
+    def _stage(self, captured: list[Captured], step: int, stream: Any = None,
+               ) -> list[Captured]:
+        """Copy the tensors into the staging buffers; a failure on any rank fails every rank."""
+        staged, error = attempt(self._staging.stage, captured, stream)
+        self.world.agree(error, f"save of step {step}: copying state to host buffers")
+        return staged
+
+    def wait_staged(self) -> None:
+        """Block until the pending save's copy to host buffers is done; re-raise its failure."""
+        if self._staged is not None:
+            self._staged.result()
+
+    def wait(self) -> None:
+        """Block until the pending background save is committed; re-raise its failure."""
+        inflight, self._inflight, self._staged = self._inflight, None, None
+        if inflight is not None:
+            inflight.result()
+
+    def close(self) -> None:
+        """Wait for a pending save and stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown()
+                self._executor = None
