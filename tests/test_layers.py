@@ -1,0 +1,22 @@
+"""The layering of docs/design.md holds: `lint-imports` keeps every contract of
+pyproject.toml's [tool.importlinter] (each layer imports only the layers below it; the
+declaration, schemas and errors import without torch). A new upward import fails here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def test_every_import_linter_contract_is_kept():
+    done = subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(REPO / "pyproject.toml"), "--no-cache"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Contracts: 2 kept, 0 broken." in done.stdout, done.stdout
