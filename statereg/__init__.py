@@ -20,8 +20,8 @@ _EXPORTS = {
     "CheckpointManager": "statereg.manager",
     "LoadResult": "statereg.engine.load",
     "KeyReport": "statereg.engine.load",
-    "load_model_from": "statereg.formats.interop",
-    "export_hf": "statereg.formats.interop",
+    "load_model_from": "statereg.interop",
+    "export_hf": "statereg.interop",
     "read_manifest": "statereg.engine.inspect",
     "verify": "statereg.engine.inspect",
     "StateregError": "statereg.errors",
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
         StateregError,
         StorageError,
     )
-    from statereg.formats.interop import export_hf, load_model_from
+    from statereg.interop import export_hf, load_model_from
     from statereg.manager import CheckpointManager
     from statereg.schemas import ComponentSpec, Manifest, RegistrySpec, StorageSpec
 
@@ -66,3 +66,8 @@ def __getattr__(name: str) -> Any:
     value = getattr(import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    """The public names too, though they load lazily: IDEs, `help()` and `dir()` list them."""
+    return sorted({*globals(), *_EXPORTS})

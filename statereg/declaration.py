@@ -65,6 +65,8 @@ def _read_yaml(path: Path) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc)
+        if "'\\t'" in problem:
+            problem += "; YAML indents with spaces, never tabs: replace the tab with spaces"
         raise SpecError(f"{where}: invalid YAML: {problem}") from None
 
 

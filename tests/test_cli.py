@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,12 +40,68 @@ def committed(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("which", sorted(SCHEMA_FILES))
-def test_published_json_schemas_are_current(which: str) -> None:
-    published = json.loads((REPO / "schemas" / SCHEMA_FILES[which]).read_text())
-    assert published == json_schema(which), (
-        f"schemas/{SCHEMA_FILES[which]} is stale: regenerate it with "
-        f"`statereg schema {which} > schemas/{SCHEMA_FILES[which]}`"
+def test_the_shipped_json_schemas_are_current_and_schema_path_names_them(
+    which: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["schema", which, "--path"]) == 0
+    shipped = Path(capsys.readouterr().out.strip())
+    assert shipped == REPO / "statereg" / "schemas" / SCHEMA_FILES[which]
+    assert json.loads(shipped.read_text()) == json_schema(which), (
+        f"statereg/schemas/{SCHEMA_FILES[which]} is stale: regenerate it with "
+        f"`statereg schema {which} > statereg/schemas/{SCHEMA_FILES[which]}`"
     )
+
+
+def test_a_wheel_carries_the_schemas_and_py_typed(tmp_path: Path) -> None:
+    """What a non-editable install has: docs/yaml-reference.md points editors at these."""
+    import zipfile
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(REPO)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    wheel = next((tmp_path / "dist").glob("statereg-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"statereg/py.typed", "statereg/__main__.py",
+            *(f"statereg/schemas/{name}" for name in SCHEMA_FILES.values())} <= names
+
+
+def _statereg(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run the installed console script; stdout and stderr are captured unless given."""
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}
+    return subprocess.run([str(Path(sys.executable).with_name("statereg")), *args],
+                          text=True, **streams)
+
+
+def test_version_and_python_dash_m() -> None:
+    by_script = _statereg("--version")
+    assert by_script.returncode == 0
+    assert by_script.stdout.strip() == f"statereg {statereg.__version__}"
+    by_module = subprocess.run([sys.executable, "-m", "statereg", "--version"],
+                               capture_output=True, text=True)
+    assert by_module.returncode == 0
+    assert by_module.stdout == by_script.stdout
+
+
+def test_a_reader_that_goes_away_ends_the_output_without_a_traceback() -> None:
+    """`statereg schema | head -1`: the pipe is closed before statereg writes a byte."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = _statereg("schema", stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141
+    assert done.stderr == ""
+
+
+def test_dir_lists_the_lazy_public_names() -> None:
+    names = dir(statereg)
+    assert {"CheckpointManager", "load_spec", "verify", "CorruptCheckpointError",
+            "__version__"} <= set(names)
+    assert set(statereg.__all__) <= set(names)
 
 
 def test_schema_prints_the_declaration_schema(capsys: pytest.CaptureFixture[str]) -> None:
@@ -255,3 +312,54 @@ def test_a_url_naming_no_checkpoint_is_refused_not_read_from_the_current_directo
     assert f"{url!r} names no checkpoint directory" in capsys.readouterr().err
     assert main(["verify", "."]) == 0  # '.' is the checkpoint directory it stands in
     assert f"ok: {committed / 'step_00000010'}: " in capsys.readouterr().out
+
+
+def test_ls_without_root_lists_the_spec_storage_url(
+    committed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    yaml_file = tmp_path / "statereg.yaml"
+    yaml_file.write_text(json.dumps(_spec(committed)))  # JSON is YAML
+    assert main(["ls", "--spec", str(yaml_file)]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000005" in out and "step_00000010 (latest)" in out
+    assert main(["ls"]) == 2
+    assert "give ROOT, or --spec statereg.yaml" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_aws_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default AWS credential chain finds nothing, fast (no metadata service probe)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                 "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+
+
+def test_an_s3_failure_without_options_points_at_spec_and_aws_endpoint_url(
+    no_aws_credentials: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("s3fs")
+    assert main(["ls", "s3://statereg-no-such-bucket/run"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("statereg ls: error: ") and "s3://statereg-no-such-bucket/run" in err
+    assert "no --spec or --options was given" in err and "AWS_ENDPOINT_URL" in err
+    assert main(["ls", "s3://statereg-no-such-bucket/run", "--options", '{"anon": false}']) == 1
+    assert "no --spec or --options was given" not in capsys.readouterr().err
+
+
+def test_plan_model_imports_from_the_current_directory_like_python_dash_m(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "my_models.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Linear(10, 10)\n")
+    (tmp_path / "statereg.yaml").write_text(
+        "storage: {url: ./c}\ncomponents: {model: {kind: model}}\n")
+    done = _statereg("plan", "statereg.yaml", "--model", "my_models:build", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    missing = _statereg("plan", "statereg.yaml", "--model", "not_here:build", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert "No module named 'not_here'" in missing.stderr
+    assert f"the module in the current directory ({tmp_path})" in missing.stderr
+    assert "Traceback" not in missing.stderr

@@ -363,6 +363,28 @@ def test_component_name_with_a_newline_is_refused(name):
     assert "directory name" in str(info.value)
 
 
+def test_a_tab_in_the_indentation_says_use_spaces(tmp_path):
+    path = tmp_path / "statereg.yaml"
+    path.write_text("storage:\n\turl: x\ncomponents: {model: {kind: model}}\n")
+    message = spec_error(path)
+
+    assert message.startswith(f"{path}:2:1: invalid YAML")
+    assert "YAML indents with spaces, never tabs" in message
+
+
+@pytest.mark.parametrize("word", ["on", "yes", "true", "True"])
+def test_async_on_says_on_is_yaml_for_true(write_yaml, word):
+    path = write_yaml(f"""\
+        storage: {{url: x}}
+        components: {{model: {{kind: model}}}}
+        save: {{async: {word}}}
+        """)
+    message = spec_error(path)
+
+    assert "save.async: `on` (like yes and true) is YAML for true" in message
+    assert "write thread" in message
+
+
 def test_json_format_cannot_hold_model_tensors(write_yaml):
     path = write_yaml("""\
         storage: {url: x}
