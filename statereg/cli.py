@@ -210,6 +210,24 @@ def _json_options(text: str | None, flag: str) -> dict[str, Any]:
     return given
 
 
+def _refuse_existing_copy(dst: Any, name: str) -> None:
+    """Refuse a DST that already has checkpoint `name`, in cp's words (the engine's refusal
+    speaks to a save: "save a different step")."""
+    from statereg.engine.checkpoints import read_manifest_at
+    from statereg.errors import CheckpointExistsError, CheckpointNotFoundError, ManifestError
+
+    try:
+        read_manifest_at(dst, name, check=False)
+    except CheckpointNotFoundError:
+        return
+    except ManifestError:
+        pass  # a manifest that does not parse is still one cp must not overwrite
+    raise CheckpointExistsError(
+        f"{dst.display(name)} already exists: cp never overwrites a checkpoint; delete it "
+        "there first, or copy into another root"
+    )
+
+
 def cmd_cp(args: argparse.Namespace) -> None:
     import time
 
@@ -228,6 +246,7 @@ def cmd_cp(args: argparse.Namespace) -> None:
         recompress = None
     elif args.compression is not None:
         recompress = CompressionSettings(level=args.level, float_aware=args.compression == "zstd")
+    _refuse_existing_copy(dst, name)
     started = time.perf_counter()
     manifest = copy_checkpoint(src, name, dst, recompress)
     rate = describe_rate(manifest.total_bytes, time.perf_counter() - started)

@@ -363,3 +363,18 @@ def test_plan_model_imports_from_the_current_directory_like_python_dash_m(
     assert "No module named 'not_here'" in missing.stderr
     assert f"the module in the current directory ({tmp_path})" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_cp_into_a_root_that_has_the_checkpoint_says_cp_never_overwrites(
+    committed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = str(committed / "step_00000010")
+    other = tmp_path / "copies"
+    assert main(["cp", src, str(other)]) == 0
+    before = (other / "step_00000010" / "manifest.json").read_bytes()
+    capsys.readouterr()
+    assert main(["cp", src, str(other)]) == 1
+    err = capsys.readouterr().err
+    assert f"{other / 'step_00000010'} already exists: cp never overwrites a checkpoint" in err
+    assert "save a different step" not in err
+    assert (other / "step_00000010" / "manifest.json").read_bytes() == before
