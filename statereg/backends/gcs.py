@@ -35,7 +35,7 @@ class GCSBackend(StorageBackend):
     # of two racing writers exactly one wins. (gcp-storage-emulator ignores the condition.)
     atomic_create = True
 
-    def create_bytes(self, path: str, data: bytes) -> WrittenFile:
+    def _store_if_absent(self, path: str, data: bytes) -> WrittenFile:
         hasher = new_hasher()
         hasher.update(data)
         with self._storage_op(EXCLUSIVE_WRITE, path):

@@ -100,6 +100,7 @@ class LocalBackend(StorageBackend):
 
     schemes = ("", "file", "local")
     atomic_create = True  # link(2) fails if the name exists, on every POSIX filesystem
+    probe_exclusive = False
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         path = url[len("file://"):] if url.startswith("file://") else url
@@ -133,7 +134,7 @@ class LocalBackend(StorageBackend):
             _fsync_dir(os.path.dirname(self.full_path(path)))
         return WrittenFile(path, written.size, written.checksum)
 
-    def create_bytes(self, path: str, data: bytes) -> WrittenFile:
+    def _store_if_absent(self, path: str, data: bytes) -> WrittenFile:
         """Write a durable temporary file, then link(2) it to `path`: the link fails if `path`
         exists, so of two racing writers exactly one wins, and readers never see a part."""
         tmp = temporary_name(path)

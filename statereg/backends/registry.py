@@ -10,6 +10,7 @@ from typing import Any
 
 import fsspec
 
+from statereg.backends.azure import AzureBackend
 from statereg.backends.base import StorageBackend
 from statereg.backends.gcs import GCSBackend
 from statereg.backends.local import LocalBackend
@@ -29,7 +30,7 @@ def register_backend(backend: type[StorageBackend]) -> type[StorageBackend]:
     return backend
 
 
-for _builtin in (LocalBackend, MemoryBackend, S3Backend, GCSBackend):
+for _builtin in (LocalBackend, MemoryBackend, S3Backend, GCSBackend, AzureBackend):
     register_backend(_builtin)
 _entry_points_loaded = False
 
@@ -71,7 +72,8 @@ def backend_class(url: str) -> type[StorageBackend]:
         return StorageBackend
     raise SpecError(
         f"storage url {url!r}: no backend for scheme {scheme!r}; use a path, file://, memory://, "
-        f"s3://, gs:// or another fsspec protocol ({', '.join(sorted(_BACKENDS))} registered)"
+        f"s3://, gs://, az:// or another fsspec protocol "
+        f"({', '.join(sorted(_BACKENDS))} registered)"
     )
 
 

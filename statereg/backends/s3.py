@@ -51,7 +51,7 @@ class S3Backend(StorageBackend):
         bucket, _, key = self.full_path(path).partition("/")
         return bucket, key
 
-    def create_bytes(self, path: str, data: bytes) -> WrittenFile:
+    def _store_if_absent(self, path: str, data: bytes) -> WrittenFile:
         bucket, key = self._split(path)
         hasher = new_hasher()
         hasher.update(data)

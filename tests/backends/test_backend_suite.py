@@ -1,8 +1,9 @@
-"""What a user does with checkpoints works the same on every backend: local, memory, S3, GCS.
+"""What a user does with checkpoints works the same on every backend: local, memory, S3, GCS
+and Azure.
 
-Each test runs once per backend against a fresh root, uncompressed and compressed; S3 and GCS
-are real servers (moto and gcp-storage-emulator, see conftest.py). Only `storage.url`,
-`storage.options` and `storage.compression` differ.
+Each test runs once per backend against a fresh root, uncompressed and compressed; S3, GCS and
+Azure are real servers (moto and SeaweedFS, gcp-storage-emulator, Azurite; see conftest.py).
+Only `storage.url`, `storage.options` and `storage.compression` differ.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ import statereg.engine.inspect
 import statereg.engine.save
 
 COMPRESSION: dict[str, Any] = {}
+
+
+@pytest.fixture
+def store(every_store: Any) -> Any:
+    """Every test of this module runs on every store, SeaweedFS and Azurite included."""
+    return every_store
 
 
 @pytest.fixture(autouse=True, params=["plain", "zstd"])
@@ -278,7 +285,8 @@ def test_an_environment_variable_moves_the_run_without_touching_the_yaml(store, 
 def test_storage_options_never_reach_the_manifest_or_the_logs(store, monkeypatch, caplog):
     secret = f"do-not-leak-{uuid.uuid4().hex}"
     monkeypatch.setenv("STATEREG_TEST_SECRET", secret)
-    field = {"s3": "secret", "gcs": "token"}.get(store.kind, "secret_option")
+    field = {"s3": "secret", "seaweedfs": "secret", "gcs": "token",
+             "azure": "account_key"}.get(store.kind, "secret_option")
     options = {**store.options, field: "${STATEREG_TEST_SECRET}"}
     # A raw GCS token is checked at Google's tokeninfo endpoint unless this is off; the
     # emulator takes any bearer token, and the tests stay off the network.

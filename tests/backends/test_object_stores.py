@@ -1,4 +1,5 @@
-"""What statereg/backends/s3.py and gcs.py add to the generic backend, on the real servers."""
+"""What statereg/backends/s3.py, gcs.py and azure.py add to the generic backend, on the real
+servers (moto and SeaweedFS for S3, gcp-storage-emulator, Azurite)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import torch
 from torch import nn
 
 import statereg
+from statereg.backends.azure import AzureBackend
 from statereg.backends.gcs import GCSBackend
 from statereg.backends.registry import backend_class, open_backend
 from statereg.backends.s3 import S3Backend
 
-PACKAGE = {"s3": "s3fs", "gcs": "gcsfs"}
-BACKEND = {"s3": S3Backend, "gcs": GCSBackend}
+PACKAGE = {"s3": "s3fs", "gcs": "gcsfs", "azure": "adlfs"}
+SCHEME = {"s3": "s3", "gcs": "gs", "azure": "az"}
 
 
 def model_only(url: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -31,36 +33,46 @@ def model_only(url: str, options: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(("url", "expected"), [
     ("s3://bkt/run", S3Backend), ("s3a://bkt/run", S3Backend),
     ("gs://bkt/run", GCSBackend), ("gcs://bkt/run", GCSBackend),
+    ("az://container/run", AzureBackend), ("abfs://container/run", AzureBackend),
+    ("abfss://container/run", AzureBackend),
 ])
 def test_each_scheme_has_its_backend(url, expected):
     assert backend_class(url) is expected
 
 
-@pytest.mark.parametrize("kind", ["s3", "gcs"])
+@pytest.mark.parametrize("kind", ["s3", "gcs", "azure"])
 def test_without_the_client_package_the_url_says_what_to_install(kind, monkeypatch):
     monkeypatch.setitem(sys.modules, PACKAGE[kind], None)  # import fails as if not installed
-    url = f"{'s3' if kind == 's3' else 'gs'}://bkt/run"
+    url = f"{SCHEME[kind]}://bkt/run"
     with pytest.raises(statereg.SpecError, match=rf"pip install 'statereg\[{kind}\]'"):
         statereg.CheckpointManager(model_only(url, {}), model=nn.Linear(2, 2))
 
 
 def test_the_client_packages_are_imported_only_when_their_scheme_is_used():
     code = ("import sys, statereg.backends as b; b.open_backend('memory://x'); "
-            "assert not {'s3fs', 'gcsfs'} & set(sys.modules), sorted(sys.modules)")
+            "assert not {'s3fs', 'gcsfs', 'adlfs'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_a_missing_bucket_is_an_error_not_an_empty_run(remote_store):
-    scheme = remote_store.url.split("://")[0]
-    url = f"{scheme}://statereg-missing-{uuid.uuid4().hex[:8]}/run"
-    mgr = statereg.CheckpointManager(model_only(url, remote_store.options),
+def test_a_missing_bucket_is_an_error_not_an_empty_run(every_remote_store):
+    scheme = every_remote_store.url.split("://")[0]
+    bucket = f"statereg-missing-{uuid.uuid4().hex[:8]}"
+    url = f"{scheme}://{bucket}/run"
+    mgr = statereg.CheckpointManager(model_only(url, every_remote_store.options),
                                      model=nn.Linear(2, 2))
+    missing = rf"{'container' if scheme == 'az' else 'bucket'} '{bucket}' does not exist"
 
-    with pytest.raises(statereg.StorageError, match=r"bucket .* does not exist") as loading:
+    with pytest.raises(statereg.StorageError, match=missing) as loading:
         mgr.load()  # a resume must not silently start from scratch
-    with pytest.raises(statereg.StorageError, match=r"bucket .* does not exist"):
+    with pytest.raises(statereg.StorageError, match=missing):
         mgr.save(step=1)
     assert str(loading.value).startswith(f"list failed for {url}")
+    backend = open_backend(url, every_remote_store.options)
+    with pytest.raises(statereg.StorageError, match=missing):
+        backend.walk()
+    if every_remote_store.kind != "seaweedfs":  # SeaweedFS answers a PUT there AccessDenied
+        with pytest.raises(statereg.StorageError, match=missing):
+            backend.write_bytes("latest", b"step_00000001")
 
 
 def test_a_file_larger_than_a_part_is_uploaded_in_parts_and_reads_back_whole(
@@ -98,7 +110,8 @@ def test_a_file_larger_than_a_part_is_uploaded_in_parts_and_reads_back_whole(
     assert torch.equal(restored.weight, model.weight) and torch.equal(restored.bias, model.bias)
 
 
-def test_prefixes_exist_like_directories_and_remove_tree_stays_inside_one(remote_store):
+def test_prefixes_exist_like_directories_and_remove_tree_stays_inside_one(every_remote_store):
+    remote_store = every_remote_store
     backend = open_backend(remote_store.url, remote_store.options)
     for path in ("a/b/x", "a/b/deep/y", "a/bc/z", "a/b2"):
         backend.write_bytes(path, b"data")
@@ -146,7 +159,8 @@ def test_an_emulator_behind_gcsfs_experimental_class_gets_a_warning(gcs_store, m
     assert "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false" in caplog.text
 
 
-def test_exists_and_size_see_what_another_process_wrote_after_a_listing(remote_store):
+def test_exists_and_size_see_what_another_process_wrote_after_a_listing(every_remote_store):
+    remote_store = every_remote_store
     # Two filesystem instances, as two processes would have (fsspec caches instances).
     this = open_backend(remote_store.url, {**remote_store.options, "skip_instance_cache": True})
     other = open_backend(remote_store.url, {**remote_store.options, "skip_instance_cache": True})
@@ -158,3 +172,15 @@ def test_exists_and_size_see_what_another_process_wrote_after_a_listing(remote_s
     assert this.exists("step_00000001/model/__0_0.distcp")
     assert this.size("step_00000001/model/__0_0.distcp") == len(b"tensor bytes")
     assert this.list_dir("step_00000001") == ["manifest.json", "model"]
+
+
+def test_azure_keeps_no_listing_cache_and_writes_like_the_other_object_stores(azure_store):
+    backend = open_backend(azure_store.url, azure_store.options)
+    assert isinstance(backend, AzureBackend)
+    assert backend.fs.dircache.use_listings_cache is False  # adlfs caches listings otherwise
+    assert backend.default_io_threads == S3Backend.default_io_threads == 8
+    written = backend.write_bytes("step_00000001/model/__0_0.distcp", b"tensor bytes")
+    assert (written.path, written.size) == ("step_00000001/model/__0_0.distcp", 12)
+    assert backend.read_bytes("step_00000001/model/__0_0.distcp") == b"tensor bytes"
+    assert [(f.path, f.size) for f in backend.walk()] == [
+        ("step_00000001/model/__0_0.distcp", 12)]
