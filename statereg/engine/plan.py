@@ -270,7 +270,7 @@ def check_live_sharing(name: str, comp: ComponentSpec, sharded_keys: list[str]) 
         raise SpecError(
             f"component {name!r} is declared sharing: {sharing}, but its tensors are split "
             f"across ranks (DTensor shards, e.g. {shown}); saving it so would keep only some "
-            "shards. Declare sharing: sharded (components." + name + ".sharing)"
+            f"shards: declare sharing: sharded (components.{name}.sharing)"
         )
 
 

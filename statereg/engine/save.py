@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-import statereg
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile, new_hasher
 from statereg.backends.codec import CompressionSettings
@@ -33,6 +32,7 @@ from statereg.engine.world import World, attempt
 from statereg.errors import CheckpointMismatchError, SpecError
 from statereg.schemas.manifest import FORMAT_VERSION, ComponentRecord, FileRecord, Manifest
 from statereg.schemas.spec import RegistrySpec, StorageSpec
+from statereg.version import __version__
 
 logger = logging.getLogger("statereg")
 
@@ -246,7 +246,7 @@ def build_manifest(spec: RegistrySpec, captured: list[Captured],
         )
     return Manifest(
         format_version=FORMAT_VERSION,
-        statereg_version=statereg.__version__,
+        statereg_version=__version__,
         torch_version=torch.__version__,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         step=step,
