@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -125,10 +126,23 @@ def test_plan_shows_each_component_writer_and_format(
     out = capsys.readouterr().out
     assert "s3://bucket/run" in out
     assert "world size: 4" in out
-    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
-    assert "sharded" in lines["model"] and "every rank" in lines["model"]
-    assert "global" in lines["sched"] and "rank 0" in lines["sched"] and "json" in lines["sched"]
-    assert "per_rank" in lines["rng"] and "rng/rank_<rank>.json" in lines["rng"]
+    # The plan of every rank, one block each; each line: component, layout, sharing,
+    # collective, role, bytes, files.
+    blocks = re.split(r"^rank ", out, flags=re.MULTILINE)[1:]
+    assert [b.split()[0:3] for b in blocks] == [[str(r), "of", "4"] for r in range(4)]
+    rows = [{line.split()[0]: line.split() for line in b.splitlines()[1:] if line.strip()}
+            for b in blocks]
+    assert [r["model"][1:5] for r in rows] == [["dcp/dcp", "sharded", "world", "leader"]] + \
+        [["dcp/dcp", "sharded", "world", "member"]] * 3
+    assert rows[0]["model"][6:] == ["model/__0_*.distcp", "model/.metadata"]
+    assert rows[3]["model"][6:] == ["model/__3_*.distcp"]
+    assert rows[0]["sched"][1:] == ["object_file/json", "global", "alone", "leader", "-",
+                                    "sched/state.json"]
+    assert rows[1]["sched"][4:] == ["-", "-", "(writes", "nothing)"]
+    assert [r["rng"][-1] for r in rows] == [f"rng/rank_0000{i}.json" for i in range(4)]
+    assert main(["plan", str(yaml_file), "--world-size", "4", "--rank", "2"]) == 0
+    only = capsys.readouterr().out
+    assert "rank 2 of 4" in only and "rank 0 of 4" not in only
 
 
 def test_plan_runs_without_torch(tmp_path: Path) -> None:
@@ -215,9 +229,11 @@ def test_plan_with_a_model_shows_bytes_each_rank_writes(
                          "sched: {kind: scheduler}}\n")
     assert main(["plan", str(yaml_file), "--world-size", "4", "--model",
                  "plan_models:build"]) == 0
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line}
-    assert "1.00 MB" in lines["model"]  # (1000*1000 + 1000) fp32 bytes over 4 ranks
-    assert " - " in lines["sched"]
+    out = capsys.readouterr().out
+    model = [line for line in out.splitlines() if line.startswith("model")]
+    # (1000*1000 + 1000) fp32 bytes, sharded over 4 ranks: each writes a quarter.
+    assert len(model) == 4 and all("1.00 MB" in line for line in model)
+    assert all(" - " in line for line in out.splitlines() if line.startswith("sched"))
     assert main(["plan", str(yaml_file), "--model", "no_such_module:build"]) == 2
     assert "no_such_module:build" in capsys.readouterr().err
 

@@ -250,3 +250,15 @@ def test_a_checkpoint_from_another_root_can_be_loaded_by_url(make_spec, make_mod
     assert result.path == url
     assert torch.equal(model.fc1.weight, pretrain.fc1.weight)
     assert mgr.list() == []
+
+
+def test_a_path_that_names_no_checkpoint_is_refused_not_read_from_the_cwd(
+        make_spec, make_model, tmp_path, monkeypatch):
+    """load(path="/") once read ./manifest.json from the current directory."""
+    mgr = statereg.CheckpointManager(make_spec("model"), model=make_model())
+    mgr.save(step=1)
+    monkeypatch.chdir(tmp_path / "ckpt" / "step_00000001")  # a manifest.json right here
+    for path in ("/", "s3://", "memory://"):
+        with pytest.raises(statereg.CheckpointNotFoundError, match="names no checkpoint"):
+            mgr.load(path)
+    assert mgr.load(".").step == 1  # '.' inside a checkpoint names that checkpoint

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from statereg.backends.base import StorageBackend
@@ -9,18 +11,25 @@ from statereg.backends.registry import open_backend
 from statereg.engine.checkpoints import Committed, read_manifest_at
 from statereg.engine.load import verify_files
 from statereg.engine.report import format_bytes, format_table
+from statereg.errors import CheckpointNotFoundError
 from statereg.schemas.manifest import Manifest
 
 
 def split_checkpoint_url(url: str) -> tuple[str, str]:
-    """'s3://b/run/step_00000100' -> ('s3://b/run', 'step_00000100')."""
+    """'s3://b/run/step_00000100' -> ('s3://b/run', 'step_00000100'); a local path is made
+    absolute first, so '.' inside a checkpoint names it, and '/' names no checkpoint."""
+    if "://" not in url:
+        url = os.path.abspath(url)
     trimmed = url.rstrip("/")
-    root, sep, name = trimmed.rpartition("/")
-    if not sep:
-        return ".", trimmed
+    root, _, name = trimmed.rpartition("/")
+    if name in ("", ".", "..") or name.endswith(":"):
+        raise CheckpointNotFoundError(
+            f"{url!r} names no checkpoint directory; give one, e.g. "
+            "./checkpoints/step_00000100 or s3://bucket/run/step_00000100"
+        )
     if root.endswith(":/"):  # 'memory://step_x': the root is the scheme's top
         root += "/"
-    return root, name
+    return root or "/", name
 
 
 def open_checkpoint(url: str, options: dict[str, Any] | None = None,
@@ -50,7 +59,7 @@ def describe(manifest: Manifest, url: str) -> str:
         f"checkpoint:  {url}",
         f"step:        {manifest.step}",
         f"tokens_seen: {manifest.tokens_seen if manifest.tokens_seen is not None else '-'}",
-        f"extra:       {manifest.extra or '-'}",
+        f"extra:       {json.dumps(manifest.extra) if manifest.extra else '-'}",
         f"created:     {manifest.created_at}",
         f"versions:    format {manifest.format_version}, statereg {manifest.statereg_version}, "
         f"torch {manifest.torch_version}",

@@ -227,8 +227,19 @@ def compile_task(name: str, comp: ComponentSpec, spec: RegistrySpec, world: Worl
         codec=_codec(spec) if layout == "dcp" else "none",
         io_threads=spec.storage.io_threads, max_shard_size=max_shard,
         validate=comp.validate_replicas,
-        nbytes=None if sizes is None else sum(n for _, n in sizes),
+        nbytes=None if sizes is None else _bytes_written(sum(n for _, n in sizes), layout,
+                                                           sharing, world, comp.group),
     )
+
+
+def _bytes_written(total: int, layout: Layout, sharing: str, world: WorldLayout,
+                   group: str | None) -> int:
+    """What one rank writes of a component's `total` tensor bytes: DCP spreads shards and
+    replicas over the ranks of the collective (each item is written once)."""
+    if layout != "dcp" or sharing not in ("sharded", "replicated", "per_group"):
+        return total
+    ranks = len(world.members(group or "")) if sharing == "per_group" else world.size
+    return -(-total // ranks)
 
 
 def compile_plan(spec: RegistrySpec, world: WorldLayout, storage: str | None = None,
