@@ -47,3 +47,9 @@ def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
         command = [sys.executable, "-c", code]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"{where} failed:\n{done.stderr[-3000:]}"
+
+
+def test_the_sharing_table_in_the_docs_is_the_one_the_schema_enforces() -> None:
+    from statereg.schemas.sharing import render_table
+
+    assert render_table() in (REPO / "docs" / "distributed.md").read_text()
