@@ -98,11 +98,17 @@ def expand_env(options: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class StoredFile:
-    """A file found under a path: relative to the root, its size and last modification time."""
+    """A file found under a path: relative to the root, its size and last modification time.
+
+    `kind` is "file" on object stores; local disk also reports what a caller must refuse to
+    read: "symlink", "fifo", "socket", "char-device", "block-device" (size 0), and "directory"
+    for an empty directory.
+    """
 
     path: str
     size: int
     mtime: float | None  # seconds since the epoch; None where the store does not say
+    kind: str = "file"
 
 
 @dataclass(frozen=True)
