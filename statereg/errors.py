@@ -44,3 +44,8 @@ class CheckpointInProgressError(CheckpointExistsError):
 
 class LoadOrderError(StateregError):
     """Saved state arrived after its object had started (e.g. a dataloader mid-epoch)."""
+
+
+class CheckpointDeletedError(CheckpointNotFoundError):
+    """A checkpoint was deleted while it was being read or reused (most often by another
+    process's retention); nothing was loaded or committed from it."""

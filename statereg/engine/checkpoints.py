@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import checksum_of, new_hasher
@@ -46,6 +46,12 @@ class Committed:
     @property
     def step(self) -> int:
         return self.manifest.step
+
+
+def referenced_files(checkpoints: Iterable[Committed]) -> set[str]:
+    """Root-relative paths of earlier files that these (incremental) checkpoints read."""
+    return {ref.path for ckpt in checkpoints for ref in ckpt.manifest.references}
+
 
 # -- reading manifests ---------------------------------------------------------------------
 
@@ -120,22 +126,58 @@ def _usable(backend: StorageBackend, name: str, damaged: list[Exception]) -> Com
         return None
 
 
-def list_committed(backend: StorageBackend) -> list[Committed]:
-    """Every committed checkpoint under the root, oldest step first.
+@dataclass(frozen=True)
+class RootScan:
+    """Every checkpoint directory of a root that has a manifest, sorted by step.
 
-    Directories without a valid manifest are skipped: they are interrupted saves.
+    `committed` would load (manifest matches manifest.sum, parses, names its step);
+    `unreadable` has a manifest that does not: damaged, or written in a way this statereg
+    cannot read. What an unreadable one references is unknown, so retention and gc keep
+    every file it might reference (docs/reliability.md, "Unreadable manifests").
     """
-    found = []
-    for name in backend.list_dir(""):
-        if step_of(name) is None:
-            continue
+
+    committed: list[Committed]
+    unreadable: dict[str, Exception]
+
+    def unreadable_steps(self) -> list[int]:
+        return sorted(step for step in map(step_of, self.unreadable) if step is not None)
+
+    def might_reference(self, name: str) -> str | None:
+        """The unreadable checkpoint that might read files of checkpoint `name`, if any.
+
+        A checkpoint references only files of lower steps (and its own): an unreadable
+        manifest at step S may need anything under a directory of step S or lower.
+        """
+        step = step_of(name)
+        for other in sorted(self.unreadable, key=lambda n: step_of(n) or 0):
+            if step is not None and step <= (step_of(other) or 0):
+                return other
+        return None
+
+
+def scan_root(backend: StorageBackend) -> RootScan:
+    """Every checkpoint directory with a manifest, each checked against its manifest.sum."""
+    found, unreadable = [], {}
+    for name in sorted((n for n in backend.list_dir("") if step_of(n) is not None),
+                       key=step_of):
         try:
-            found.append(Committed(name, read_manifest_at(backend, name, check=False)))
+            found.append(Committed(name, read_manifest_at(backend, name)))
         except CheckpointNotFoundError:
             continue
-        except ManifestError as exc:
+        except (ManifestError, CorruptCheckpointError) as exc:
             logger.warning("skipping %s: %s", backend.display(name), exc)
-    return sorted(found, key=lambda c: c.step)
+            unreadable[name] = exc
+    return RootScan(found, unreadable)
+
+
+def list_committed(backend: StorageBackend) -> list[Committed]:
+    """Every committed checkpoint under the root that would load, oldest step first.
+
+    Directories without a manifest are interrupted saves; one whose manifest does not match
+    its manifest.sum, or does not parse, is damaged: both are skipped (with a warning for a
+    damaged one), so `ls` and `list()` show exactly what `load()` may use.
+    """
+    return scan_root(backend).committed
 
 
 def read_latest(backend: StorageBackend) -> str | None:
@@ -147,33 +189,14 @@ def read_latest(backend: StorageBackend) -> str | None:
     return name if step_of(name) is not None else None
 
 
-def _created(committed: Committed) -> datetime | None:
-    try:
-        return datetime.fromisoformat(committed.manifest.created_at)
-    except (TypeError, ValueError):
-        return None
-
-
-def _committed_before(newer_step: Committed, pointed: Committed) -> bool:
-    """Whether `newer_step` was committed before `pointed` (a rollback to a lower step).
-
-    Commit times have one-second resolution; within the same second the higher step wins.
-    """
-    a, b = _created(newer_step), _created(pointed)
-    if a is None or b is None:
-        return False
-    try:
-        return a < b
-    except TypeError:  # one naive, one aware: not comparable, so not provably before
-        return False
-
-
 def latest_committed(backend: StorageBackend) -> Committed | None:
-    """The checkpoint to resume from: the one `latest` names, or a newer committed one.
+    """The checkpoint to resume from: the intact committed checkpoint of the highest step.
 
-    The manifest commits a checkpoint and `latest` is written after it, so a crash between
-    the two leaves a committed checkpoint of a higher step that `latest` does not name yet;
-    it wins unless it was committed before the one `latest` names (a rollback).
+    Step order, not commit time and not the `latest` pointer: a clock that stepped back, or
+    a crash between the manifest and `latest`, cannot make a lower step win (which would
+    make every later save of the higher step fail as already committed). `latest` is
+    written for tools that read it; statereg itself scans from the highest step down, and
+    usually reads one manifest.
 
     Uncommitted directories are skipped. A damaged checkpoint (its manifest does not match
     manifest.sum, or does not parse) is skipped with a warning in favour of an older intact
@@ -181,21 +204,11 @@ def latest_committed(backend: StorageBackend) -> Committed | None:
     which would silently restart training from scratch.
     """
     damaged: list[Exception] = []
-    pointer_name = read_latest(backend)
-    pointer = _usable(backend, pointer_name, damaged) if pointer_name is not None else None
-    if pointer_name is not None and pointer is None:
-        logger.warning("'latest' names %s, which is not usable; scanning", pointer_name)
     names = sorted((n for n in backend.list_dir("") if step_of(n) is not None), key=step_of)
     for name in reversed(names):
-        if pointer is not None and step_of(name) <= pointer.step:  # type: ignore[operator]
-            break
-        if name == pointer_name:
-            continue
         found = _usable(backend, name, damaged)
-        if found is None:
-            continue
-        if pointer is None or not _committed_before(found, pointer):
+        if found is not None:
             return found
-    if pointer is None and damaged:
+    if damaged:
         raise damaged[0]
-    return pointer
+    return None

@@ -21,12 +21,17 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from statereg.backends.base import StorageBackend
-from statereg.engine.checkpoints import list_committed, read_manifest_at
-from statereg.engine.retention import referenced_files
+from statereg.engine.checkpoints import (
+    read_manifest_at,
+    referenced_files,
+    scan_root,
+    step_of,
+)
 from statereg.errors import (
     CheckpointExistsError,
     CheckpointInProgressError,
@@ -83,6 +88,9 @@ class ClaimInfo:
     started_at: float
     renewed_at: float
     lease_s: float
+    # An incremental save: the committed checkpoint whose files (its own and those it
+    # references) it may reference. Retention keeps them while this claim is live.
+    reuses: str = ""
 
     @classmethod
     def parse(cls, data: bytes) -> ClaimInfo | None:
@@ -91,7 +99,8 @@ class ClaimInfo:
             return cls(token=str(raw["token"]), host=str(raw["host"]),
                        host_id=str(raw["host_id"]), pid=int(raw["pid"]),
                        thread=str(raw["thread"]), started_at=float(raw["started_at"]),
-                       renewed_at=float(raw["renewed_at"]), lease_s=float(raw["lease_s"]))
+                       renewed_at=float(raw["renewed_at"]), lease_s=float(raw["lease_s"]),
+                       reuses=str(raw.get("reuses", "")))
         except (ValueError, TypeError, KeyError, UnicodeDecodeError):
             return None
 
@@ -157,6 +166,7 @@ class Claim:
     info: ClaimInfo
     owner: threading.Thread = field(default_factory=threading.current_thread)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     _renewer: threading.Thread | None = None
 
     @property
@@ -178,11 +188,23 @@ class Claim:
 
     def _renew(self) -> None:
         while not self._stop.wait(self.info.lease_s / 4):
-            renewed = ClaimInfo(**{**self.info.__dict__, "renewed_at": time.time()})
             try:
-                self.backend.write_bytes(self.path, renewed.to_json())
+                self._rewrite()
             except Exception as exc:  # the save itself will report a storage failure
                 logger.debug("renewing %s failed: %s", self.backend.display(self.path), exc)
+
+    def _rewrite(self, **changes: Any) -> None:
+        # Under the lock: a renewal must never write back an info older than hold()'s.
+        with self._lock:
+            info = replace(self.info, renewed_at=time.time(), **changes)
+            self.backend.write_bytes(self.path, info.to_json())
+            self.info = info
+
+    def hold(self, name: str) -> None:
+        """Record in the claim that this save may reference files of checkpoint `name`
+        (empty: none). Retention reads it after uncommitting what it deletes and keeps
+        those files while the claim is live."""
+        self._rewrite(reuses=name)
 
     def _stop_renewing(self) -> None:
         _ACTIVE.pop(self.info.token, None)
@@ -260,7 +282,15 @@ def refuse_committed(backend: StorageBackend, name: str) -> None:
 def refuse_referenced(backend: StorageBackend, name: str) -> None:
     """CheckpointExistsError if committed (incremental) checkpoints read files under `name`:
     retention keeps those in the directory of a deleted checkpoint."""
-    needed = referenced_files(list_committed(backend))
+    scan = scan_root(backend)
+    reader = scan.might_reference(name)
+    if reader is not None:
+        raise CheckpointExistsError(
+            f"{backend.display(name)} holds files that the unreadable manifest of "
+            f"{backend.display(reader)} may reference ({scan.unreadable[reader]}); statereg "
+            f"does not remove them: save a different step, or repair or delete {reader} first"
+        )
+    needed = referenced_files(scan.committed)
     held = sorted(path for path in needed if path.startswith(f"{name}/"))
     if held:
         raise CheckpointExistsError(
@@ -268,6 +298,24 @@ def refuse_referenced(backend: StorageBackend, name: str) -> None:
             f"checkpoints reference (e.g. {held[0]}); statereg does not remove them while "
             "those checkpoints exist: save a different step"
         )
+
+
+def reserved_checkpoints(backend: StorageBackend, names: Iterable[str]) -> set[str]:
+    """The checkpoints that live claims in directories `names` say their saves may reference."""
+    held = set()
+    for name in names:
+        numbers = read_claims(backend, name)
+        info = read_claim(backend, name, numbers[-1]) if numbers else None
+        if info is not None and info.reuses and claim_state(info)[0]:
+            held.add(info.reuses)
+    return held
+
+
+def uncommitted_names(backend: StorageBackend, committed: Iterable[str]) -> list[str]:
+    """Checkpoint directories under the root that are not in `committed` (saves in progress,
+    interrupted ones, damaged ones)."""
+    known = set(committed)
+    return [n for n in backend.list_dir("") if step_of(n) is not None and n not in known]
 
 
 def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") -> Claim:

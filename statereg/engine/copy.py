@@ -94,8 +94,10 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                     recompress: Recompress = "keep") -> Manifest:
     """Copy checkpoint `name` from `src` to the same name under `dst`; returns the new manifest.
 
-    With `recompress` other than "keep", each DCP directory is read whole into memory and
-    written again; other files are copied byte for byte.
+    With `recompress` other than "keep", or when the source is an incremental checkpoint,
+    each DCP directory is read whole into memory and written again (the copy is
+    self-contained: it never writes into another checkpoint directory of `dst`); other files
+    are copied byte for byte.
     """
     source = Committed(name, read_manifest_at(src, name))
     with claim_scope():
@@ -104,9 +106,17 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
         claim = claim_checkpoint(dst, name, purpose="copy")
         records = source.manifest.files
         dcp_dirs: set[str] = set()
-        if recompress != "keep":
+        settings: dict[str, CompressionSettings | None] = {}
+        if recompress != "keep" or source.manifest.references:
+            # An incremental checkpoint's DCP metadata points at files of earlier
+            # checkpoints ('../../step_N/...'). Copied as they are, those files would land
+            # in the destination's step_N, which may be a committed checkpoint of its own:
+            # so the copy is made self-contained instead, every item rewritten into its own
+            # directory (with the source's codec when "keep"), and it has no references.
             dcp_dirs = {posixpath.dirname(r.path) for r in records
                         if posixpath.basename(r.path) == METADATA_NAME}
+            settings = {d: (_source_settings(source.manifest, d) if recompress == "keep"
+                            else recompress) for d in dcp_dirs}
             # DCP reads the files it rewrites without checksums: check them (and the earlier files
             # they reference) first. Every other file is checked as it is copied.
             for record in records:
@@ -116,12 +126,7 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                 _read_checked(src, "", record)
         recorder = FileRecorder()
         codecs = {r.path: r.codec for r in records}
-        # Kept bytes keep their references to earlier files (incremental saves): copy those too,
-        # to the same place under the destination root. Rewritten directories hold every item.
-        references = source.manifest.references if recompress == "keep" else []
         with Progress(source.manifest.total_bytes, f"copy {name}") as progress:
-            for record in references:
-                dst.write_bytes(record.path, _read_checked(src, "", record))
             for record in records:
                 if posixpath.dirname(record.path) in dcp_dirs and _is_dcp_file(record.path):
                     continue
@@ -129,23 +134,35 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                 recorder.add(dst.write_bytes(f"{name}/{record.path}", data))
                 progress.update(record.size)
             for directory in sorted(dcp_dirs):
-                assert recompress != "keep"
-                _rewrite_dcp(src, f"{name}/{directory}", dst, f"{name}/{directory}", recompress,
-                             recorder)
+                _rewrite_dcp(src, f"{name}/{directory}", dst, f"{name}/{directory}",
+                             settings[directory], recorder)
                 for written in recorder.files():
                     if written.path.startswith(f"{name}/{directory}/"):
                         codecs[written.path.removeprefix(f"{name}/")] = file_codec(
-                            written.path, recompress)
-        manifest = _retarget(source.manifest, name, recorder.files(), codecs, references)
+                            written.path, settings[directory])
+        manifest = _retarget(source.manifest, name, recorder.files(), codecs)
         latest = read_latest(dst)
         newer = latest is None or (step_of(latest) or -1) < manifest.step
         commit(dst, name, manifest, claim, move_latest=newer)
         return manifest
 
 
+def _source_settings(manifest: Manifest, directory: str) -> CompressionSettings | None:
+    """The codec the source's DCP directory was written with, to rewrite it the same way."""
+    codecs = {r.codec for r in manifest.files
+              if r.path.startswith(f"{directory}/") and r.path.endswith(".distcp")}
+    if not codecs or codecs == {"none"}:
+        return None
+    declared = manifest.spec.get("storage", {}).get("compression") or {}
+    level = declared.get("level", 3) if isinstance(declared, dict) else 3
+    return CompressionSettings(level=level if isinstance(level, int) else 3,
+                               float_aware="zstd+planes" in codecs)
+
+
 def _retarget(manifest: Manifest, name: str, written: list[WrittenFile],
-              codecs: dict[str, str], references: list[FileRecord]) -> Manifest:
-    """The source manifest with the files as written at the destination."""
+              codecs: dict[str, str]) -> Manifest:
+    """The source manifest with the files as written at the destination (self-contained:
+    a copy never references files of another checkpoint)."""
     files = []
     for item in written:
         path = item.path.removeprefix(f"{name}/")
@@ -153,7 +170,7 @@ def _retarget(manifest: Manifest, name: str, written: list[WrittenFile],
                                 codec=codecs.get(path, "none")))
     data = manifest.model_dump(mode="json")
     data["files"] = [f.model_dump(mode="json") for f in files]
-    data["references"] = [r.model_dump(mode="json") for r in references]
+    data["references"] = []
     for comp_name, comp in data["components"].items():
         mine = [f for f in files if f.path.startswith(f"{comp_name}/")]
         comp.update(files=[f.path for f in mine], bytes=sum(f.size for f in mine))

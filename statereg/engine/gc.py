@@ -16,9 +16,21 @@ import time
 from dataclasses import dataclass, replace
 
 from statereg.backends.base import IncompleteUpload, StorageBackend
-from statereg.engine.checkpoints import list_committed, read_manifest_at, step_of
-from statereg.engine.claims import claim_checkpoint, claim_state, read_claim, read_claims
-from statereg.engine.retention import referenced_files
+from statereg.engine.checkpoints import (
+    RootScan,
+    read_manifest_at,
+    referenced_files,
+    scan_root,
+    step_of,
+)
+from statereg.engine.claims import (
+    claim_checkpoint,
+    claim_state,
+    read_claim,
+    read_claims,
+    reserved_checkpoints,
+    uncommitted_names,
+)
 from statereg.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -67,7 +79,7 @@ def _decide(age: float | None, grace_s: float) -> str:
 
 
 def _directory(backend: StorageBackend, name: str, grace_s: float, now: float,
-               needed: set[str]) -> Leftover | None:
+               needed: set[str], scan: RootScan) -> Leftover | None:
     try:
         read_manifest_at(backend, name, check=False)
         return None  # committed: never touched
@@ -87,7 +99,11 @@ def _directory(backend: StorageBackend, name: str, grace_s: float, now: float,
     held = sum(1 for f in files if f.path in needed)
     if held:
         action = (f"keep: {held} of its files are referenced by committed incremental "
-                  "checkpoints; retention removes the rest")
+                  "checkpoints (or a running incremental save); retention removes the rest")
+    reader = scan.might_reference(name)
+    if reader is not None:
+        action = (f"keep: the manifest of {reader} cannot be read, and it may reference files "
+                  f"of {name}; repair or delete {reader} by hand first")
     numbers = read_claims(backend, name)
     if numbers:
         live, why = claim_state(read_claim(backend, name, numbers[-1]), now)
@@ -102,10 +118,16 @@ def find_leftovers(backend: StorageBackend, grace_s: float = DEFAULT_GRACE_S,
     now = time.time() if now is None else now
     found: list[Leftover] = []
     stored = {f.path: f for f in backend.walk("") if "/" not in f.path}
-    needed = referenced_files(list_committed(backend))
+    # Unparsable manifests reference what they might: everything of their step or lower.
+    scan = scan_root(backend)
+    needed = referenced_files(scan.committed)
+    by_name = {c.name: c for c in scan.committed}
+    for held in reserved_checkpoints(backend, uncommitted_names(backend, by_name)):
+        if held in by_name:
+            needed |= {f.path for f in by_name[held].manifest.root_files(held)}
     for entry in backend.list_dir(""):
         if step_of(entry) is not None:
-            leftover = _directory(backend, entry, grace_s, now, needed)
+            leftover = _directory(backend, entry, grace_s, now, needed, scan)
             if leftover is not None:
                 found.append(leftover)
         elif _TEMPORARY.search(entry) and entry in stored:

@@ -8,11 +8,64 @@ leaves behind.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 from statereg.backends.base import StorageBackend
-from statereg.engine.checkpoints import LATEST_NAME, MANIFEST_SUM_NAME, manifest_checksum
+from statereg.engine.checkpoints import (
+    LATEST_NAME,
+    MANIFEST_SUM_NAME,
+    manifest_checksum,
+    read_latest,
+    step_of,
+)
 from statereg.engine.claims import Claim
-from statereg.errors import CheckpointExistsError
-from statereg.schemas.manifest import MANIFEST_NAME, Manifest
+from statereg.errors import CheckpointExistsError, SpecError, StateregError, StorageError
+from statereg.schemas.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+
+logger = logging.getLogger("statereg")
+
+
+def _create(backend: StorageBackend, path: str, content: bytes, name: str) -> None:
+    """Create `path` exclusively. Finding it already there with exactly `content` is success:
+    a client library that retried this saver's own PUT, after a timeout that hid its
+    success, finds its own object."""
+    try:
+        backend.create_bytes(path, content)
+        return
+    except FileExistsError:
+        lost = True
+    except StorageError:
+        lost = False
+        with contextlib.suppress(FileNotFoundError, StorageError):
+            if backend.read_bytes(path) == content:
+                return  # the write failed to answer, not to happen
+        raise
+    if lost:
+        with contextlib.suppress(FileNotFoundError, StorageError):
+            if backend.read_bytes(path) == content:
+                return
+        raise CheckpointExistsError(
+            f"{backend.display(name)} was committed by another save first (or is being "
+            "committed by one); this save's files were not used. Two saves of one step "
+            "cannot both commit: give each run its own root or step"
+        )
+
+
+def _point_latest(backend: StorageBackend, name: str) -> None:
+    """Write `latest`, unless it names a higher committed step (load goes by step order:
+    `latest` is for tools that read it, and must agree). A failure is a warning: the
+    checkpoint is committed whatever happens to the pointer."""
+    try:
+        current = read_latest(backend)
+        if current is not None and (step_of(current) or 0) > (step_of(name) or 0) \
+                and backend.exists(f"{current}/{MANIFEST_NAME}"):
+            return
+        backend.write_bytes(LATEST_NAME, name.encode())
+    except (OSError, StateregError) as exc:
+        logger.warning("%s is committed, but writing %s failed (%s); load() finds it by "
+                       "step, and the next save writes the pointer again",
+                       backend.display(name), backend.display(LATEST_NAME), exc)
 
 
 def commit(backend: StorageBackend, name: str, manifest: Manifest, claim: Claim | None,
@@ -23,25 +76,26 @@ def commit(backend: StorageBackend, name: str, manifest: Manifest, claim: Claim 
     `claim` is the one claim_checkpoint() returned for `name`: it is checked to be still this
     saver's before anything is published (CheckpointInProgressError if another saver took the
     directory over) and released afterwards, committed or not. None publishes unclaimed.
+
+    Raises only while nothing is committed: a manifest the reader would refuse as too large
+    is refused here (SpecError), and once the manifest exists, a failure to write `latest`
+    is a warning.
     """
-    if claim is not None:
-        claim.check_owner()
     data = manifest.to_json()
     try:
-        # Both created exclusively: a save that lost a race never overwrites the winner's.
-        for path, content in ((f"{name}/{MANIFEST_SUM_NAME}",
-                               f"{manifest_checksum(data)}\n".encode()),
-                              (f"{name}/{MANIFEST_NAME}", data)):
-            try:
-                backend.create_bytes(path, content)
-            except FileExistsError:
-                raise CheckpointExistsError(
-                    f"{backend.display(name)} was committed by another save first (or is being "
-                    "committed by one); this save's files were not used. Two saves of one step "
-                    "cannot both commit: give each run its own root or step"
-                ) from None
-        if move_latest:
-            backend.write_bytes(LATEST_NAME, name.encode())
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise SpecError(
+                f"the manifest of {backend.display(name)} would be {len(data)} bytes, over the "
+                f"{MAX_MANIFEST_BYTES} byte bound every reader enforces; nothing was committed. "
+                "Make save(extra=...) smaller, or save fewer tensor items per checkpoint"
+            )
+        if claim is not None:
+            claim.check_owner()
+        _create(backend, f"{name}/{MANIFEST_SUM_NAME}",
+                f"{manifest_checksum(data)}\n".encode(), name)
+        _create(backend, f"{name}/{MANIFEST_NAME}", data, name)
     finally:
         if claim is not None:
             claim.release()
+    if move_latest:
+        _point_latest(backend, name)

@@ -20,9 +20,14 @@ import torch
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile, new_hasher
 from statereg.backends.codec import CompressionSettings
-from statereg.engine.checkpoints import Committed, checkpoint_name, latest_committed
+from statereg.engine.checkpoints import Committed, checkpoint_name
 from statereg.engine.claims import Claim, claim_checkpoint, claim_scope
-from statereg.engine.incremental import reference_records, reuse_index
+from statereg.engine.incremental import (
+    check_references,
+    hold_previous,
+    reference_records,
+    reuse_index,
+)
 from statereg.engine.layouts import LAYOUTS, Captured, WriteContext
 from statereg.engine.plan import RankPlan
 from statereg.engine.publish import commit
@@ -30,7 +35,15 @@ from statereg.engine.report import Progress, describe_rate
 from statereg.engine.retention import apply_retention
 from statereg.engine.world import World, attempt
 from statereg.errors import CheckpointMismatchError, SpecError
-from statereg.schemas.manifest import FORMAT_VERSION, ComponentRecord, FileRecord, Manifest
+from statereg.schemas.manifest import (
+    FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_DEPTH,
+    ComponentRecord,
+    FileRecord,
+    Manifest,
+    nesting_depth,
+)
 from statereg.schemas.spec import RegistrySpec, StorageSpec
 from statereg.version import __version__
 
@@ -142,19 +155,49 @@ def redacted_spec(spec: RegistrySpec) -> dict[str, Any]:
     return blank.model_dump(mode="json", by_alias=True)
 
 
-def check_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """`extra` must survive JSON unchanged, since the manifest stores it."""
-    extra = dict(extra or {})
+# `extra` may take at most this share of the manifest bound: the rest is for the file list
+# and digests, which grow with the model. Checked before any data file is written.
+MAX_EXTRA_BYTES = MAX_MANIFEST_BYTES // 4
+
+
+def check_extra(extra: Any) -> dict[str, Any]:
+    """`extra` must be a dict that survives JSON unchanged and that a reader will accept: the
+    manifest stores it, and a manifest the reader refuses would be a checkpoint nobody loads.
+
+    Checked before any data file is written, and without recursion (a hostile depth would
+    raise RecursionError in json.dumps).
+    """
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise SpecError(
+            f"save(extra=...) must be a dict of JSON values, got {type(extra).__name__}; "
+            "e.g. extra={'loss': float(loss)}"
+        )
+    # The manifest holds `extra` one level below its top: the reader's depth bound, less one.
+    if nesting_depth(extra) > MAX_MANIFEST_DEPTH - 1:
+        raise SpecError(
+            f"save(extra=...) nests lists or dicts more than {MAX_MANIFEST_DEPTH - 1} deep; "
+            "a manifest that deep is refused on load: store a flatter summary"
+        )
+    extra = dict(extra)
+    size = 0
     for key, value in extra.items():
+        if not isinstance(key, str):
+            raise SpecError(f"save(extra=...): key {key!r} must be a string")
         try:
-            json.dumps(value, allow_nan=False)
+            size += len(json.dumps(value, allow_nan=False)) + len(key) + 4
         except (TypeError, ValueError):
             raise SpecError(
                 f"save(extra=...): value of {key!r} ({type(value).__name__}) is not plain JSON; "
                 "pass numbers, strings, lists or dicts (e.g. float(loss))"
             ) from None
-        if not isinstance(key, str):
-            raise SpecError(f"save(extra=...): key {key!r} must be a string")
+        if size > MAX_EXTRA_BYTES:
+            raise SpecError(
+                f"save(extra=...) is over {MAX_EXTRA_BYTES} bytes as JSON (at key {key!r}); "
+                f"the manifest that stores it is bounded ({MAX_MANIFEST_BYTES} bytes) so that "
+                "every reader can parse it: store large data as a component, not in extra"
+            )
     return extra
 
 
@@ -261,6 +304,27 @@ def build_manifest(spec: RegistrySpec, captured: list[Captured],
     )
 
 
+def _check_then_commit(backend: StorageBackend, name: str, manifest: Manifest,
+                       claim: Claim | None, previous: Committed | None) -> None:
+    """Commit, after checking what the manifest references is still there and intact."""
+    if previous is not None and manifest.references:
+        check_references(backend, previous, manifest.references)
+    commit(backend, name, manifest, claim)
+
+
+def _retain(backend: StorageBackend, spec: RegistrySpec, name: str) -> list[str]:
+    """Apply retention after `name` committed. A failure is a warning, not the save's error:
+    the checkpoint is committed, and a raise would tell the caller otherwise (and a retry of
+    the step would be refused as already committed). The next save's retention tries again.
+    """
+    try:
+        return apply_retention(backend, spec.save, name)
+    except Exception as exc:
+        logger.warning("%s is committed, but retention failed (%s); the next save's "
+                       "retention tries again", backend.display(name), exc)
+        return []
+
+
 def save_checkpoint(backend: StorageBackend, spec: RegistrySpec, captured: list[Captured],
                     step: int, tokens_seen: int | None, extra: dict[str, Any],
                     world: World) -> Committed:
@@ -286,8 +350,16 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
         claim, error = attempt(claim_checkpoint, backend, name)
     world.agree(error, f"save of {name}")
     total = sum(c.nbytes for c in captured)
-    incremental = (IncrementalState(latest_committed(backend))
-                   if spec.save.incremental else None)
+    incremental = None
+    if spec.save.incremental:
+        # Rank 0 picks the base and records it in its claim (retention keeps what a live
+        # claim names); every rank references the same one.
+        previous = None
+        if world.rank == 0:
+            assert claim is not None
+            previous, error = attempt(hold_previous, backend, claim)
+        world.agree(error, f"save of {name}: finding the previous checkpoint")
+        incremental = IncrementalState(world.broadcast(previous))
     with Progress(total, f"save {name}") as progress:
         files, error = attempt(write_components, backend, name, captured, spec.storage,
                                world, progress, incremental)
@@ -307,12 +379,13 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
                 "references": reference_records(incremental.previous, referenced),
                 "digests": {k: v for _, (digests, _) in reports for k, v in digests.items()},
             })
-        _, error = attempt(commit, backend, name, manifest, claim)
+        _, error = attempt(_check_then_commit, backend, name, manifest, claim,
+                           incremental.previous if incremental is not None else None)
         committed = Committed(name, manifest)
     world.agree(error, f"committing {backend.display(name)}")
     committed = world.broadcast(committed)
     if world.rank == 0:
-        deleted = apply_retention(backend, spec.save)
+        deleted = _retain(backend, spec, name)
     elapsed = time.perf_counter() - started
     logger.info(
         "saved %s: %d components, %d files, %s%s",

@@ -71,6 +71,10 @@ class Saver:
              tokens_seen: int | None, extra: dict[str, Any] | None) -> SaveHandle:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise SpecError(f"save(step={step!r}): step must be a non-negative int")
+        if tokens_seen is not None and (not isinstance(tokens_seen, int)
+                                        or isinstance(tokens_seen, bool) or tokens_seen < 0):
+            raise SpecError(f"save(tokens_seen={tokens_seen!r}): tokens_seen must be a "
+                            "non-negative int or None (e.g. int(tokens))")
         self.wait()
         extra = check_extra(extra)
         world = self.world

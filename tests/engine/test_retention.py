@@ -71,15 +71,17 @@ def test_best_is_empty_without_keep_best(manager):
     assert mgr.best() == []
 
 
-def test_retention_never_deletes_the_checkpoint_latest_names(manager, root):
+def test_a_lower_step_saved_later_is_kept_but_resume_goes_by_step(manager, root):
     mgr = manager(save={"keep_last": 1})
     mgr.save(step=10)
-    mgr.save(step=5)  # e.g. a rollback: `latest` now names a checkpoint that is not the newest
+    mgr.save(step=5)  # e.g. a rollback: a lower step saved after a higher one
 
-    latest = (root / "latest").read_text()
-    assert latest == "step_00000005"
-    assert latest in step_dirs(root)
-    assert "step_00000010" in step_dirs(root)
+    # Step order, not save order: `latest` keeps naming the higher step, and load() resumes
+    # from it; retention never deletes the checkpoint the save just wrote.
+    assert (root / "latest").read_text() == "step_00000010"
+    assert step_dirs(root) == ["step_00000005", "step_00000010"]
+    assert mgr.load().step == 10
+    assert mgr.load(step=5).step == 5
 
 
 def test_retention_leaves_uncommitted_directories_alone(manager, root):
