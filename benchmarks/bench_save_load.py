@@ -1,7 +1,8 @@
 """statereg save/load against plain torch.distributed.checkpoint on the same state and disk.
 
 Run by hand (not a test):  .venv/bin/python benchmarks/bench_save_load.py --gb 1 --reps 3
-Prints a markdown table of medians (min-max) and ratios measured in this one run.
+Prints a markdown table of medians (min-max) and ratios measured in this one run, and what
+the zip records' CRC-32 (which torch.save computes for every tensor record) costs on this state.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +54,21 @@ def timed(fn: Callable[[], None], reps: int, before: Callable[[], None]) -> list
         fn()
         times.append(time.perf_counter() - start)
     return times
+
+
+def crc_seconds(tensors: list[torch.Tensor], reps: int) -> float:
+    """CPU seconds (min of `reps`) of zlib.crc32 over every tensor's bytes.
+
+    torch.save computes the same CRC-32 for each zip record, at the speed of zlib.crc32
+    (docs/performance.md), so this is what correct CRCs add to a save's CPU time.
+    """
+    best = float("inf")
+    for _ in range(reps):
+        start = time.process_time()
+        for tensor in tensors:
+            zlib.crc32(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+        best = min(best, time.process_time() - start)
+    return best
 
 
 def main() -> None:
@@ -127,10 +144,16 @@ def main() -> None:
                   / statistics.median(results["statereg load (verify=fast)"]))
     print(f"\nstatereg save speed / best plain DCP save: {ratio_save:.2f}x")
     print(f"statereg load speed / plain DCP load: {ratio_load:.2f}x")
+    crc = crc_seconds(list(flat.values()), args.reps)
+    crc_share = crc / statistics.median(results["statereg save (io_threads=2)"])
+    print(f"zip CRC-32 of every tensor record: {crc:.2f} s of CPU "
+          f"({nbytes / crc / 2**30:.1f} GiB/s), {100 * crc_share:.0f}% of the statereg save median "
+          "(spread over its writer threads)")
     if args.json:
         Path(args.json).write_text(json.dumps({"bytes": nbytes, "cold": cold, "seconds": results,
                                                "save_ratio": ratio_save,
-                                               "load_ratio": ratio_load}, indent=1))
+                                               "load_ratio": ratio_load, "crc_cpu_s": crc},
+                                              indent=1))
 
 
 if __name__ == "__main__":
