@@ -13,8 +13,11 @@ from statereg.schemas.spec import Format, Kind, Sharing
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = "1.1"  # 1.1: FileRecord.codec, references, digests
-# A manifest lists files and small metadata; anything larger is not one we wrote.
-MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+# A manifest lists files and small metadata; anything larger is not one we wrote. Its size
+# grows with the tensor items of incremental saves (one digest each, ~95 bytes): 128 MiB is
+# ~1.4M items, which parse in ~1.6 us each (benchmarks/bench_manifest.py,
+# docs/performance.md). save() refuses to write a larger one, so no reader ever meets it.
+MAX_MANIFEST_BYTES = 128 * 1024 * 1024
 # What statereg writes is a few levels deep (`extra` and `meta` hold the user's JSON, so
 # allow far more); deeper is hostile and would recurse through the JSON decoder, pydantic
 # and every printer.
