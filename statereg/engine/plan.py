@@ -103,7 +103,6 @@ class Task:
     takes_part: bool  # this rank runs the layout's save (a collective member, or a writer)
     leader: bool  # this rank writes the component's shared files
     collective: str | None  # None: this rank alone; WORLD; or a named group
-    collective_rank: int  # this rank's place in the collective (DCP names files after it)
     directory: str  # relative to the checkpoint
     files: tuple[str, ...]  # what this rank writes; globs where DCP names the files
     codec: str = "none"
@@ -203,7 +202,7 @@ def compile_task(name: str, comp: ComponentSpec, spec: RegistrySpec, world: Worl
     files: tuple[str, ...] = ()
     if layout == "dcp":
         if sharing == "per_rank":  # each rank its own DCP checkpoint, in its own directory
-            directory = f"{name}/{rank_file(rank, 'json').removesuffix('.json')}"
+            directory = f"{name}/rank_{rank:05d}"
         files = (f"{directory}/{dcp_data_files(place)}",)
         if leader:
             files += (f"{directory}/{DCP_METADATA_NAME}",)
@@ -222,7 +221,7 @@ def compile_task(name: str, comp: ComponentSpec, spec: RegistrySpec, world: Worl
         takes_part = takes_part and leader  # object state: only the writer takes part
     return Task(
         component=name, kind=comp.kind, sharing=sharing, format=fmt, layout=layout,
-        takes_part=takes_part, leader=leader, collective=collective, collective_rank=max(place, 0),
+        takes_part=takes_part, leader=leader, collective=collective,
         directory=directory, files=files if takes_part else (),
         codec=_codec(spec) if layout == "dcp" else "none",
         io_threads=spec.storage.io_threads, max_shard_size=max_shard,
@@ -272,10 +271,11 @@ def unpredicted(files: list[str], plans: list[RankPlan]) -> tuple[list[str], lis
 
 
 def check_live_sharing(name: str, comp: ComponentSpec, sharded_keys: list[str]) -> None:
-    """A component declared global or replicated whose tensors are sharded across ranks would
-    save one rank's shards only: refuse it at construction, before any collective."""
+    """A component declared global, replicated or per_rank whose tensors are sharded across
+    ranks would save some shards only: refuse it at construction, before any collective."""
     sharing = comp.resolved_sharing
-    if sharing in ("global", "replicated", "per_rank", "per_group") and sharded_keys and \
+    # per_group is fine: DCP saves a group's shards over the group's own collective.
+    if sharing in ("global", "replicated", "per_rank") and sharded_keys and \
             comp.resolved_format == "dcp":
         shown = ", ".join(sharded_keys[:3]) + (" ..." if len(sharded_keys) > 3 else "")
         raise SpecError(

@@ -58,9 +58,11 @@ def schema_matrix() -> tuple[list[tuple[str, str, str]], list[tuple[str, str, st
 ACCEPTED, REFUSED = schema_matrix()
 
 
-def test_every_combination_the_schema_refuses_is_a_spec_error_at_load_spec() -> None:
-    print(f"\nschema matrix: {len(ACCEPTED)} accepted, {len(REFUSED)} refused "
-          f"kind x sharing x format combinations")
+def test_every_combination_the_schema_refuses_is_a_spec_error_at_load_spec(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with capsys.disabled():  # the matrix's size belongs in the test output
+        print(f"\nschema matrix: {len(ACCEPTED)} accepted, {len(REFUSED)} refused "
+              f"kind x sharing x format combinations")
     assert ACCEPTED and REFUSED
     for kind, sharing, fmt in REFUSED:
         with pytest.raises(statereg.SpecError, match=r"components\.c") as info:
@@ -241,9 +243,12 @@ def conformance_pass(rank: int, world: int, root: Path, save: bool, load_from: l
     assert not problems, f"{len(problems)} failures:\n" + "\n".join(problems)
 
 
-def test_every_accepted_combination_round_trips_at_world_sizes_1_2_4(tmp_path: Path) -> None:
-    print(f"\nconformance matrix: {len(ACCEPTED)} combinations x {len(WORLD_SIZES)} world sizes "
-          f"= {len(ACCEPTED) * len(WORLD_SIZES)} save/load cases, plus loads across sizes")
+def test_every_accepted_combination_round_trips_at_world_sizes_1_2_4(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with capsys.disabled():
+        print(f"\nconformance matrix: {len(ACCEPTED)} combinations x {len(WORLD_SIZES)} world "
+              f"sizes = {len(ACCEPTED) * len(WORLD_SIZES)} save/load cases, plus "
+              f"{len(ACCEPTED) * 6} loads across world sizes")
     root = tmp_path / "matrix"
     # Each size saves and loads its own; then loads across sizes, both ways.
     run_ranks(1, conformance_pass, tmp_path, root, True, [])
