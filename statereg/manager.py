@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from types import TracebackType
@@ -29,6 +30,8 @@ from statereg.interop import ForeignKind, detect_foreign, load_foreign
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.factory import build_adapters, check_objects
 from statereg.state.protocols import TensorState
+
+logger = logging.getLogger("statereg")
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,8 @@ class CheckpointManager:
             return load_foreign(*foreign, kinds, self._adapters, include, exclude,
                                 self.world, strict)
         if resolved is None:
+            if self.world.rank == 0:
+                logger.info("no checkpoint under %s: starting fresh", self._backend.url)
             return None
         backend, committed = resolved
         names = select_components(self.spec.components, committed, include, exclude)

@@ -19,7 +19,7 @@ import torch
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import checksum_of, new_hasher
 from statereg.engine.checkpoints import Committed
-from statereg.engine.layouts import LAYOUTS, ReadContext
+from statereg.engine.layouts import LAYOUTS, KeyReport, ReadContext
 from statereg.engine.plan import Saved, compile_load
 from statereg.engine.report import Progress, describe_rate
 from statereg.engine.world import World, attempt
@@ -33,24 +33,6 @@ VerifyMode = Literal["off", "fast", "full"]
 
 
 @dataclass(frozen=True)
-class KeyReport:
-    """How one model's keys met a foreign source's tensors (stored names, after prefix rules)."""
-
-    loaded: tuple[str, ...]
-    missing: tuple[str, ...]  # in the model, not in the source: they keep their values
-    unexpected: tuple[str, ...]  # in the source, not in the model: ignored
-
-    def __str__(self) -> str:
-        def some(keys: tuple[str, ...]) -> str:
-            return ", ".join(keys[:5]) + (f" (and {len(keys) - 5} more)" if len(keys) > 5 else "")
-
-        return (f"{len(self.loaded)} loaded, {len(self.missing)} missing"
-                + (f" [{some(self.missing)}]" if self.missing else "")
-                + f", {len(self.unexpected)} unexpected"
-                + (f" [{some(self.unexpected)}]" if self.unexpected else ""))
-
-
-@dataclass(frozen=True)
 class LoadResult:
     """What a load restored, and the bookkeeping saved with it."""
 
@@ -61,7 +43,7 @@ class LoadResult:
     components: tuple[str, ...]
     # False for a foreign source (Hugging Face directory, plain DCP): no manifest, no checksums.
     verified: bool = True
-    keys: dict[str, KeyReport] = field(default_factory=dict)  # foreign sources, per component
+    keys: dict[str, KeyReport] = field(default_factory=dict)  # per tensor component
 
 
 def select_components(declared: Iterable[str], committed: Committed, include: list[str] | None,
@@ -165,6 +147,7 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     world.agree(error, f"verifying {where}")
     steps: list[tuple[str, Callable[[], None]]] = []
     pending: dict[str, Any] = {}
+    keys: dict[str, KeyReport] = {}
 
     # Sizes the manifest records (checked above unless verify is off) spare a request per file.
     sizes = {f"{committed.name}/{f.path}": f.size for f in files} if verify != "off" else None
@@ -178,6 +161,8 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
             steps.append((name, prepared.apply))
             if prepared.pending is not None:
                 pending[name] = prepared.pending
+            if prepared.keys is not None:
+                keys[name] = prepared.keys
 
     _, error = attempt(prepare_all)
     world.agree(error, f"checking {where}")
@@ -192,13 +177,18 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     _, error = attempt(apply_all)
     world.agree(error, f"loading {backend.display(committed.name)}")
     elapsed = time.perf_counter() - started
-    logger.info("loaded %s: %s (%s)", backend.display(committed.name),
-                describe_rate(nbytes, elapsed), ", ".join(names))
+    if world.rank == 0:  # once per job, not once per rank
+        logger.info("loaded %s on %d rank(s): %s (%s)", where, world.size,
+                    describe_rate(nbytes, elapsed), ", ".join(names))
     result = LoadResult(
         step=manifest.step,
         tokens_seen=manifest.tokens_seen,
         extra=dict(manifest.extra),
         path=backend.display(committed.name),
         components=tuple(names),
+        keys=keys,
     )
+    for name, report in keys.items():
+        if (report.missing or report.unexpected) and world.rank == 0:
+            logger.warning("loaded %s into %r with strict=False: %s", where, name, report)
     return result, pending

@@ -387,10 +387,11 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
     if world.rank == 0:
         deleted = _retain(backend, spec, name)
     elapsed = time.perf_counter() - started
-    logger.info(
-        "saved %s: %d components, %d files, %s%s",
-        backend.display(name), len(committed.manifest.components), len(committed.manifest.files),
-        describe_rate(committed.manifest.total_bytes, elapsed),
-        f"; retention removed {', '.join(deleted)}" if deleted else "",
-    )
+    if world.rank == 0:  # once per job, not once per rank
+        logger.info(
+            "saved %s on %d rank(s): %d components, %d files, %s%s",
+            backend.display(name), world.size, len(committed.manifest.components),
+            len(committed.manifest.files), describe_rate(committed.manifest.total_bytes, elapsed),
+            f"; retention removed {', '.join(deleted)}" if deleted else "",
+        )
     return committed

@@ -9,6 +9,9 @@ write and the commit. The manager only hands it the plan and the live adapters.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -27,6 +30,8 @@ from statereg.engine.staging import StagingArea, loop_stream
 from statereg.engine.world import World, attempt
 from statereg.errors import SpecError
 from statereg.schemas.spec import RegistrySpec
+
+logger = logging.getLogger("statereg")
 
 
 class SaveHandle(str):
@@ -66,6 +71,7 @@ class Saver:
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[Committed] | None = None
         self._staged: Future[None] | None = None
+        self._failure: tuple[str, float] | None = None  # what the last background failure was
 
     def save(self, plan: RankPlan, adapters: dict[str, Any], step: int,
              tokens_seen: int | None, extra: dict[str, Any] | None) -> SaveHandle:
@@ -93,7 +99,8 @@ class Saver:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="statereg-save")
         if not self.spec.save.early_return:
             staged = self._stage(captured, step)
-            self._inflight = self._executor.submit(save_checkpoint, *args, staged, *rest)
+            self._inflight = self._executor.submit(
+                self._reported, step, lambda: save_checkpoint(*args, staged, *rest))
             return SaveHandle(url)
         done: Future[None] = Future()
         stream = loop_stream()
@@ -108,8 +115,22 @@ class Saver:
             return save_checkpoint(*args, staged, *rest)
 
         self._staged = done
-        self._inflight = self._executor.submit(stage_then_save)
+        self._inflight = self._executor.submit(self._reported, step, stage_then_save)
         return SaveHandle(url, done)
+
+    def _reported(self, step: int, work: Callable[[], Committed]) -> Committed:
+        """Run a background save; a failure is logged at once, naming the step and the time,
+        and the next wait() or save() re-raises it with the same words attached."""
+        started = time.time()
+        try:
+            return work()
+        except BaseException as exc:
+            failed = time.time()
+            when = time.strftime("%H:%M:%S", time.localtime(failed))
+            self._failure = (f"raised by the background save of step {step}, which started "
+                             f"{failed - started:.1f} s before it failed at {when}", failed)
+            logger.error("the background save of step %d failed at %s: %s", step, when, exc)
+            raise
 
     def _stage(self, captured: list[Captured], step: int, stream: Any = None,
                ) -> list[Captured]:
@@ -126,8 +147,18 @@ class Saver:
     def wait(self) -> None:
         """Block until the pending background save is committed; re-raise its failure."""
         inflight, self._inflight, self._staged = self._inflight, None, None
-        if inflight is not None:
+        if inflight is None:
+            return
+        try:
             inflight.result()
+        except BaseException as exc:
+            if self._failure is not None:
+                note, failed = self._failure
+                self._failure = None
+                add_note = getattr(exc, "add_note", None)  # Python 3.11+
+                if add_note is not None:
+                    add_note(f"{note} ({time.time() - failed:.1f} s ago)")
+            raise
 
     def close(self) -> None:
         """Wait for a pending save and stop the background thread."""

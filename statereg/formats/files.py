@@ -20,9 +20,7 @@ from statereg.formats.jsonstate import decode_state, encode_state
 from statereg.formats.names import TORCH_MODEL_NAME
 from statereg.formats.tensors import gather_full, tensor_meta
 from statereg.formats.torchfile import TorchFile, decode_torch, encode_torch
-from statereg.schemas.manifest import ComponentRecord
 from statereg.schemas.spec import DEFAULT_MAX_SHARD_SIZE, Format, parse_size
-from statereg.state.protocols import TensorState
 
 # Model formats that hold full tensors in whole files (the others: dcp).
 MODEL_FILE_FORMATS = frozenset({"safetensors", "torch"})
@@ -64,16 +62,3 @@ def open_model_files(backend: StorageBackend, directory: str, fmt: Format,
     if fmt == "safetensors":
         return SafetensorsDirectory(backend, directory)
     return TorchFile(backend, f"{directory}/{TORCH_MODEL_NAME}")
-
-
-def prepare_model_files(backend: StorageBackend, directory: str, record: ComponentRecord,
-                        adapter: TensorState, strict: bool) -> Callable[[], None]:
-    """Check a model component's files against the live model; return the step that loads it."""
-    source = open_model_files(backend, directory, record.format)
-    targets = adapter.load_targets(source.metas, record.meta, strict, None)
-
-    def apply() -> None:
-        source.load_into(targets)
-        adapter.apply(targets, record.meta, None)
-
-    return apply

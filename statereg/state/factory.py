@@ -39,6 +39,10 @@ class ObjectTensors:
                      sidecar: dict[str, Any] | None) -> dict[str, Any]:
         return self._objects.capture()
 
+    def key_differences(self, stored: dict[str, TensorMeta], meta: dict[str, Any],
+                        ) -> tuple[list[str], list[str]]:
+        return [], []  # DCP fills the object's own structure; it reports what it lacks
+
     def apply(self, targets: dict[str, Any], meta: dict[str, Any],
               sidecar: dict[str, Any] | None) -> None:
         self._objects.restore(targets)

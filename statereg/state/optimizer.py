@@ -135,6 +135,12 @@ class OptimizerAdapter:
                 targets[key] = torch.empty(meta.shape, dtype=meta.dtype)
         return targets
 
+    def key_differences(self, stored: dict[str, TensorMeta], meta: dict[str, Any],
+                        ) -> tuple[list[str], list[str]]:
+        """Nothing to report: load_targets refuses state for a parameter the model lacks,
+        and parameters without saved state (never stepped) get theirs at their first step."""
+        return [], []
+
     def apply(self, targets: dict[str, torch.Tensor], meta: dict[str, Any],
               sidecar: dict[str, Any] | None) -> None:
         """Install the loaded tensors and hyperparameters into the optimizer."""

@@ -50,6 +50,12 @@ class TensorState(Protocol):
         stored ones; raises CheckpointMismatchError before anything live is modified."""
         ...
 
+    def key_differences(self, stored: dict[str, TensorMeta], meta: dict[str, Any],
+                        ) -> tuple[list[str], list[str]]:
+        """(missing, unexpected): live keys the checkpoint lacks, stored keys the object
+        lacks; what `load(strict=False)` reports."""
+        ...
+
     def apply(self, targets: dict[str, Any], meta: dict[str, Any],
               sidecar: dict[str, Any] | None) -> None:
         """Finish a load once `targets` hold the saved values (ties, optimizer groups)."""

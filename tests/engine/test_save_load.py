@@ -429,13 +429,20 @@ def test_save_and_load_log_duration_bytes_and_throughput(saved_model, caplog):
 
     messages = [r.getMessage() for r in caplog.records if r.name == "statereg"]
     total = format_bytes(statereg.read_manifest(url).total_bytes)
-    saved = [m for m in messages if m.startswith(f"saved {url}: ")]
+    saved = [m for m in messages if m.startswith(f"saved {url} on 1 rank(s): ")]
     assert len(saved) == 1
     assert re.search(f"1 components, \\d+ files, {re.escape(total)} in \\d+\\.\\d\\d s "
                      r"\([\d.]+ [KMGT]?B/s\)", saved[0]), saved[0]
-    loaded = [m for m in messages if m.startswith(f"loaded {url}: ")]
+    loaded = [m for m in messages if m.startswith(f"loaded {url} on 1 rank(s): ")]
     assert len(loaded) == 1
     assert re.search(rate, loaded[0]), loaded[0]
+
+
+def test_a_fresh_run_says_so(make_spec, make_model, caplog):
+    with caplog.at_level(logging.INFO, logger="statereg"):
+        assert statereg.CheckpointManager(make_spec("model"), model=make_model()).load() is None
+    assert any(r.getMessage().startswith("no checkpoint under ")
+               and r.getMessage().endswith(": starting fresh") for r in caplog.records)
 
 
 def test_a_storage_failure_while_writing_is_a_storage_error(make_spec):
@@ -491,15 +498,21 @@ def test_async_save_commits_the_state_as_it_was_when_save_returned(make_spec, ob
         assert_same_tensors(dst.optimizer.state_dict()["state"][pid], entries)
 
 
-def test_wait_reraises_a_background_failure_once(make_spec, make_model):
+def test_wait_reraises_a_background_failure_once(make_spec, make_model, caplog):
     spec = make_spec("model", save={"async": "thread"})
     with statereg.CheckpointManager(spec, model=make_model()) as mgr:
         mgr.save(step=1)
         mgr.wait()
 
         mgr.save(step=1)  # returns: the step is found committed only in the background
-        with pytest.raises(statereg.CheckpointExistsError, match="step_00000001"):
+        with caplog.at_level(logging.ERROR, logger="statereg"), \
+                pytest.raises(statereg.CheckpointExistsError, match="step_00000001") as info:
             mgr.wait()
+        # It says which step's save failed and when: at once in the log, and on the error.
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "background save of step 1" in notes and "failed at" in notes, notes
+        assert any("background save of step 1 failed at" in r.getMessage()
+                   for r in caplog.records)
         mgr.wait()  # the failure was reported; nothing is pending now
         mgr.save(step=2)
         mgr.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -260,14 +261,23 @@ def test_unexpected_checkpoint_key_is_named(make_spec, make_model):
     assert_same_state(smaller, before)
 
 
-def test_strict_false_loads_the_keys_that_match(make_spec, make_model):
+def test_strict_false_loads_the_keys_that_match(make_spec, make_model, caplog):
     saved = make_model(seed=1)
     model_manager(make_spec, saved).save(step=1)
 
     bigger = make_model(seed=2)
     bigger.extra = nn.Linear(2, 2)
     extra_before = copy.deepcopy(bigger.extra)
-    model_manager(make_spec, bigger).load(strict=False)
+    with caplog.at_level(logging.WARNING, logger="statereg"):
+        result = model_manager(make_spec, bigger).load(strict=False)
+
+    # The report says what stayed as it was, as for Hugging Face loads; so does the log.
+    report = result.keys["model"]
+    assert report.missing == ("extra.bias", "extra.weight")
+    assert report.unexpected == ()
+    assert set(report.loaded) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert any("strict=False" in r.getMessage() and "extra.bias" in r.getMessage()
+               for r in caplog.records)
 
     for name in ("fc1", "fc2"):
         assert torch.equal(getattr(bigger, name).weight, getattr(saved, name).weight)

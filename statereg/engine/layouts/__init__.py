@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from statereg.engine.layouts.base import (
     Captured,
+    KeyReport,
     LayoutExecutor,
     Prepared,
     ReadContext,
@@ -28,4 +29,5 @@ LAYOUTS: dict[str, LayoutExecutor] = {
     "object_file": ObjectFileLayout(),
 }
 
-__all__ = ["LAYOUTS", "Captured", "LayoutExecutor", "Prepared", "ReadContext", "WriteContext"]
+__all__ = ["LAYOUTS", "Captured", "KeyReport", "LayoutExecutor", "Prepared", "ReadContext",
+           "WriteContext"]

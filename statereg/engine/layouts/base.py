@@ -60,13 +60,39 @@ class ReadContext:
     strict: bool = True
 
 
+@dataclass(frozen=True)
+class KeyReport:
+    """How one model's keys met a foreign source's tensors (stored names, after prefix rules)."""
+
+    loaded: tuple[str, ...]
+    missing: tuple[str, ...]  # in the model, not in the source: they keep their values
+    unexpected: tuple[str, ...]  # in the source, not in the model: ignored
+
+    def __str__(self) -> str:
+        def some(keys: tuple[str, ...]) -> str:
+            return ", ".join(keys[:5]) + (f" (and {len(keys) - 5} more)" if len(keys) > 5 else "")
+
+        return (f"{len(self.loaded)} loaded, {len(self.missing)} missing"
+                + (f" [{some(self.missing)}]" if self.missing else "")
+                + f", {len(self.unexpected)} unexpected"
+                + (f" [{some(self.unexpected)}]" if self.unexpected else ""))
+
+
 @dataclass
 class Prepared:
     """A checked load: `apply` modifies live objects; `pending` is state held for an object
-    that is not attached yet (applied by mgr.attach)."""
+    that is not attached yet (applied by mgr.attach); `keys` how a tensor component's keys
+    met the stored ones."""
 
     apply: Callable[[], None]
     pending: Any = None
+    keys: KeyReport | None = None
+
+
+def key_report(adapter: Any, stored: dict[str, Any], meta: dict[str, Any],
+               targets: dict[str, Any]) -> KeyReport:
+    missing, unexpected = adapter.key_differences(stored, meta)
+    return KeyReport(tuple(sorted(targets)), tuple(missing), tuple(unexpected))
 
 
 def nothing() -> None:

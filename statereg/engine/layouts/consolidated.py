@@ -13,10 +13,11 @@ from statereg.engine.layouts.base import (
     Prepared,
     ReadContext,
     WriteContext,
+    key_report,
     require_object,
 )
 from statereg.engine.plan import LoadTask, Task
-from statereg.formats.files import prepare_model_files, write_model_files
+from statereg.formats.files import open_model_files, write_model_files
 from statereg.schemas.manifest import ComponentRecord
 
 
@@ -34,5 +35,11 @@ class ConsolidatedLayout:
     def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
                 ctx: ReadContext) -> Prepared:
         adapter = require_object(task, adapter)
-        return Prepared(prepare_model_files(ctx.backend, f"{ctx.name}/{task.directory}",
-                                            record, adapter, ctx.strict))
+        source = open_model_files(ctx.backend, f"{ctx.name}/{task.directory}", record.format)
+        targets = adapter.load_targets(source.metas, record.meta, ctx.strict, None)
+
+        def apply() -> None:
+            source.load_into(targets)
+            adapter.apply(targets, record.meta, None)
+
+        return Prepared(apply, keys=key_report(adapter, source.metas, record.meta, targets))

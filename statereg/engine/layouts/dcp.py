@@ -28,6 +28,7 @@ from statereg.engine.layouts.base import (
     Prepared,
     ReadContext,
     WriteContext,
+    key_report,
     nothing,
     require_object,
 )
@@ -158,8 +159,8 @@ class DCPLayout:
         if f"{task.directory}/{SIDECAR_NAME}" in record.files:
             path = f"{directory}/{SIDECAR_NAME}"
             sidecar = decode_state(ctx.backend.read_bytes(path), ctx.backend.display(path))
-        targets = adapter.load_targets(dcp_tensor_metas(reader.read_metadata()), record.meta,
-                                       ctx.strict, sidecar)
+        stored = dcp_tensor_metas(reader.read_metadata())
+        targets = adapter.load_targets(stored, record.meta, ctx.strict, sidecar)
         group = ctx.world.process_group(task.collective)
 
         def apply() -> None:
@@ -167,4 +168,4 @@ class DCPLayout:
                      process_group=group, no_dist=group is None)
             adapter.apply(targets, record.meta, sidecar)
 
-        return Prepared(apply)
+        return Prepared(apply, keys=key_report(adapter, stored, record.meta, targets))
