@@ -14,6 +14,7 @@ from torch import nn
 import statereg
 import statereg.engine.save
 from statereg.backends.registry import open_backend
+from statereg.engine.claims import Claim
 from statereg.engine.copy import copy_checkpoint
 from statereg.engine.gc import collect_garbage
 from statereg.errors import CheckpointDeletedError
@@ -200,3 +201,22 @@ def test_a_damaged_base_is_caught_the_first_time_it_is_reused(store):
                        match=r"step_00000001/model/__0_0\.distcp: checksum .* differs"):
         mgr.save(step=2)
     assert "step_00000002/manifest.json" not in store.files()
+
+
+def test_a_base_uncommitted_just_before_the_claim_named_it_is_not_used(store, monkeypatch):
+    model, mgr = manager(store.url, store.options)
+    mgr.save(step=10)
+    train(model)
+    mgr.save(step=11)  # step 12 changes nothing: with step 11 as base it would reference it
+    hold = Claim.hold
+
+    def hold_then_lose_it(self: Claim, name: str) -> None:
+        hold(self, name)
+        if name == "step_00000011":  # another job's retention uncommitted it meanwhile
+            store.fs.rm(store.path("step_00000011/manifest.json"))
+
+    monkeypatch.setattr(Claim, "hold", hold_then_lose_it)
+    manifest = statereg.verify(mgr.save(step=12), store.options)
+
+    assert {r.path.split("/", 1)[0] for r in manifest.references} == {"step_00000010"}
+    assert_identical(loaded(store.url, store.options, 12), model.state_dict())
