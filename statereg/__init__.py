@@ -31,6 +31,7 @@ _EXPORTS = {
     "CorruptCheckpointError": "statereg.errors",
     "CheckpointMismatchError": "statereg.errors",
     "CheckpointNotFoundError": "statereg.errors",
+    "CheckpointDeletedError": "statereg.errors",
     "CheckpointExistsError": "statereg.errors",
     "CheckpointInProgressError": "statereg.errors",
     "LoadOrderError": "statereg.errors",
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from statereg.engine.inspect import read_manifest, verify
     from statereg.engine.load import KeyReport, LoadResult
     from statereg.errors import (
+        CheckpointDeletedError,
         CheckpointExistsError,
         CheckpointInProgressError,
         CheckpointMismatchError,

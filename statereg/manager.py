@@ -25,7 +25,7 @@ from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
 from statereg.engine.retention import best_checkpoints
 from statereg.engine.saver import SaveHandle, Saver
 from statereg.engine.world import World
-from statereg.errors import CheckpointNotFoundError, SpecError
+from statereg.errors import CheckpointDeletedError, CheckpointNotFoundError, SpecError
 from statereg.interop import ForeignKind, detect_foreign, load_foreign
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.factory import build_adapters, check_objects
@@ -188,8 +188,16 @@ class CheckpointManager:
             return None
         backend, committed = resolved
         names = select_components(self.spec.components, committed, include, exclude)
-        result, pending = load_checkpoint(backend, committed, self.spec, self._adapters, names,
-                                          self.world, strict=strict, verify=verify)
+        try:
+            result, pending = load_checkpoint(backend, committed, self.spec, self._adapters,
+                                              names, self.world, strict=strict, verify=verify)
+        except CheckpointDeletedError:
+            if path is not None or step is not None:
+                raise  # the caller named this checkpoint: say it is gone
+            # A resume: the newest checkpoint was retired under us; take the one now newest.
+            logger.warning("%s was deleted while loading; loading the newest checkpoint now",
+                           backend.display(committed.name))
+            return self.load(include=include, exclude=exclude, strict=strict, verify=verify)
         self._pending.update(pending)
         return result
 

@@ -23,8 +23,13 @@ from statereg.engine.layouts import LAYOUTS, KeyReport, ReadContext
 from statereg.engine.plan import Saved, compile_load
 from statereg.engine.report import Progress, describe_rate
 from statereg.engine.world import World, attempt
-from statereg.errors import CheckpointMismatchError, CorruptCheckpointError, SpecError
-from statereg.schemas.manifest import FileRecord
+from statereg.errors import (
+    CheckpointDeletedError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    SpecError,
+)
+from statereg.schemas.manifest import MANIFEST_NAME, FileRecord
 from statereg.schemas.spec import RegistrySpec
 
 logger = logging.getLogger("statereg")
@@ -124,6 +129,25 @@ def _verify_share(backend: StorageBackend, committed: Committed, files: list[Fil
     verify_files(backend, "", references[world.rank::world.size], mode)
 
 
+def _agree_unless_deleted(backend: StorageBackend, name: str, world: World,
+                          error: BaseException | None, what: str) -> None:
+    """world.agree, except that a failure because the checkpoint vanished under the load (most
+    often another process's retention) is a CheckpointDeletedError on every rank, never a raw
+    FileNotFoundError or a claim that the checkpoint is damaged."""
+    try:
+        world.agree(error, what)
+    except BaseException as exc:
+        # Every rank is here (agree raised on all): rank 0 looks, every rank hears.
+        gone = not backend.exists(f"{name}/{MANIFEST_NAME}") if world.rank == 0 else None
+        if world.broadcast(gone):
+            raise CheckpointDeletedError(
+                f"{backend.display(name)} was deleted while it was being loaded (most often by "
+                "another process's retention: keep_last); load it again to use the newest "
+                "checkpoint, or give this job its own root"
+            ) from exc
+        raise
+
+
 def load_checkpoint(backend: StorageBackend, committed: Committed, spec: RegistrySpec,
                     adapters: dict[str, Any], names: list[str], world: World,
                     strict: bool = True, verify: VerifyMode = "fast",
@@ -144,7 +168,7 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     selected_files = {p for n in names for p in manifest.components[n].files}
     files = [f for f in manifest.files if f.path in selected_files]
     _, error = attempt(_verify_share, backend, committed, files, verify, world)
-    world.agree(error, f"verifying {where}")
+    _agree_unless_deleted(backend, committed.name, world, error, f"verifying {where}")
     steps: list[tuple[str, Callable[[], None]]] = []
     pending: dict[str, Any] = {}
     keys: dict[str, KeyReport] = {}
@@ -165,7 +189,7 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
                 keys[name] = prepared.keys
 
     _, error = attempt(prepare_all)
-    world.agree(error, f"checking {where}")
+    _agree_unless_deleted(backend, committed.name, world, error, f"checking {where}")
     nbytes = sum(f.size for f in files)
 
     def apply_all() -> None:
@@ -175,7 +199,7 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
                 progress.update(manifest.components[name].bytes)
 
     _, error = attempt(apply_all)
-    world.agree(error, f"loading {backend.display(committed.name)}")
+    _agree_unless_deleted(backend, committed.name, world, error, f"loading {where}")
     elapsed = time.perf_counter() - started
     if world.rank == 0:  # once per job, not once per rank
         logger.info("loaded %s on %d rank(s): %s (%s)", where, world.size,

@@ -11,6 +11,7 @@ from typing import Any
 
 import crash_driver
 import pytest
+import torch
 from crash_driver import SINGLE_COMPONENTS, TinyState, declaration
 from reliability_kit import assert_identical, committed_names, forkserver
 
@@ -199,3 +200,44 @@ def test_commit_creates_the_manifest_exclusively(tmp_path):
         publish_commit(backend, "step_00000001", forged, None)
     assert (tmp_path / "step_00000001" / "manifest.json").read_bytes() == before
     statereg.verify(url)  # manifest.sum is the winner's too
+
+
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_a_reader_racing_retention_resumes_from_the_newest_or_hears_it_was_deleted(store):
+    """Another process's retention (keep_last: 1) deletes checkpoints while this one loads:
+    a resume loads the newest checkpoint still there; a load of a named checkpoint that
+    vanished is a CheckpointDeletedError (or not found), never a raw FileNotFoundError."""
+    spec = {"storage": {"url": store.url, "options": store.options, "io_threads": 1},
+            "components": {"model": {"kind": "model"}}, "save": {"keep_last": 1}}
+    writer = statereg.CheckpointManager(spec, model=torch.nn.Linear(256, 256))
+    writer.save(step=1)
+    stop = threading.Event()
+    saved: list[int] = []
+
+    def keep_saving() -> None:
+        step = 2
+        while not stop.is_set() and step < 200:
+            writer.save(step=step)
+            saved.append(step)
+            step += 1
+
+    thread = threading.Thread(target=keep_saving)
+    thread.start()
+    failures: list[BaseException] = []
+    try:
+        reader = statereg.CheckpointManager(spec, model=torch.nn.Linear(256, 256))
+        for _ in range(15):
+            try:
+                assert reader.load() is not None  # a resume always finds one
+            except BaseException as exc:
+                failures.append(exc)
+            try:
+                reader.load(step=1)  # deleted by retention long ago
+            except statereg.CheckpointNotFoundError as exc:
+                assert "step 1" in str(exc) or "step_00000001" in str(exc), exc
+    finally:
+        stop.set()
+        thread.join()
+        writer.close()
+    assert not failures, failures
+    assert len(saved) >= 3  # retention really ran under the reader
