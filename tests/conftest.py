@@ -27,6 +27,7 @@ import torch
 from storage_servers import (
     AZURITE_BLOB,
     WEED,
+    ConditionIgnoringProxy,
     OutageProxy,
     ServerProcess,
     azure_options,
@@ -335,6 +336,14 @@ def gcs_store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
 
 
 # -- outages -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def condition_ignoring_proxy(s3_server: ServerProcess) -> Iterator[Any]:
+    """moto behind a relay that drops If-None-Match: an S3 server ignoring conditions."""
+    proxy = ConditionIgnoringProxy(s3_server.port)
+    yield proxy
+    proxy.down()
 
 
 @pytest.fixture

@@ -233,8 +233,13 @@ class OutageProxy:
                 continue
             with self._lock:
                 self._connections |= {client, upstream}
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for pump, src, dst in ((self._pump_requests, client, upstream),
+                                   (self._pump, upstream, client)):
+                threading.Thread(target=pump, args=(src, dst), daemon=True).start()
+
+    def _pump_requests(self, src: socket.socket, dst: socket.socket) -> None:
+        """The client's side of a connection: passed on as it is (subclasses may edit it)."""
+        self._pump(src, dst)
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -253,3 +258,43 @@ def _close(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
+
+
+class ConditionIgnoringProxy(OutageProxy):
+    """An S3 endpoint that ignores conditional writes, as s3rver does: a relay in front of a
+    real server that drops each request's `If-None-Match` header, so every conditional PUT
+    overwrites. Requests are parsed (head, then a Content-Length body) so the header is
+    found wherever the bytes were split."""
+
+    def _pump_requests(self, src: socket.socket, dst: socket.socket) -> None:
+        pending = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in pending:
+                    data = src.recv(1 << 16)
+                    if not data:
+                        return
+                    pending += data
+                head, _, pending = pending.partition(b"\r\n\r\n")
+                lines = [line for line in head.split(b"\r\n")
+                         if not line.lower().startswith(b"if-none-match:")]
+                length = next((int(line.split(b":", 1)[1]) for line in lines
+                               if line.lower().startswith(b"content-length:")), 0)
+                # The head goes on at once: a client may wait for "100 Continue" before it
+                # sends the body.
+                dst.sendall(b"\r\n".join(lines) + b"\r\n\r\n")
+                while length:
+                    if not pending:
+                        pending = src.recv(1 << 16)
+                        if not pending:
+                            return
+                    body, pending = pending[:length], pending[length:]
+                    dst.sendall(body)
+                    length -= len(body)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                _close(sock)
+                with self._lock:
+                    self._connections.discard(sock)

@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 import pytest
+from storage_servers import new_bucket, s3_options
 
 import statereg
 from statereg.backends.base import PROBE_PREFIX, StorageBackend
@@ -88,6 +89,23 @@ def test_a_store_that_ignores_conditional_creates_is_reported_once(gcs_store, ca
     assert warnings[0].startswith(f"exclusive create is not enforced at {gcs_store.url}:")
     assert "require_exclusive: true" in warnings[0]
     assert gcs_store.files() == ["a", "b", "c"]  # no probe object left behind
+
+
+def test_an_s3_server_that_ignores_if_none_match_is_detected(condition_ignoring_proxy,
+                                                             s3_admin, caplog):
+    bucket = new_bucket(s3_admin)
+    url, options = f"s3://{bucket}/run", s3_options(condition_ignoring_proxy.endpoint)
+    backend = open_backend(url, options)
+
+    backend.create_bytes("claim", b"first")
+    backend.create_bytes("claim", b"second")  # what such a server does: it overwrites
+
+    assert s3_admin.cat_file(f"{bucket}/run/claim") == b"second"
+    assert caplog.text.count(f"exclusive create is not enforced at {url}: the store accepted "
+                             "a second exclusive create") == 1
+    with pytest.raises(statereg.StorageError, match="require_exclusive is true"):
+        open_backend(url, {**options, "require_exclusive": True}).create_bytes("other", b"x")
+    assert s3_admin.find(bucket) == [f"{bucket}/run/claim"]  # no probe object, no "other"
 
 
 def test_require_exclusive_refuses_such_a_store_before_writing(gcs_store, make_model):
