@@ -180,6 +180,12 @@ def check_extra(extra: Any) -> dict[str, Any]:
             f"save(extra=...) nests lists or dicts more than {MAX_MANIFEST_DEPTH - 1} deep; "
             "a manifest that deep is refused on load: store a flatter summary"
         )
+    wide = _wide_int(extra)
+    if wide is not None:
+        raise SpecError(
+            f"save(extra=...) holds the integer {wide}, outside the 64-bit range a manifest "
+            "reader keeps exactly; store it as a string"
+        )
     extra = dict(extra)
     size = 0
     for key, value in extra.items():
@@ -199,6 +205,21 @@ def check_extra(extra: Any) -> dict[str, Any]:
                 "every reader can parse it: store large data as a component, not in extra"
             )
     return extra
+
+
+def _wide_int(value: Any) -> int | None:
+    """An integer in `value` outside [-2**63, 2**64) (iterative, as nesting_depth), or None."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, int) and not isinstance(item, bool) \
+                and not -(2**63) <= item < 2**64:
+            return item
+    return None
 
 
 def compression_settings(storage: StorageSpec) -> CompressionSettings | None:

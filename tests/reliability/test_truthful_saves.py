@@ -51,6 +51,8 @@ def deep(levels: int) -> dict[str, Any]:
      rf"save\(extra=\.\.\.\) is over {MAX_EXTRA_BYTES} bytes as JSON \(at key 'blob'\).*"
      rf"bounded \({MAX_MANIFEST_BYTES} bytes\)"),
     ({"step": True}, r"save\(step=True\): step must be a non-negative int"),
+    ({"extra": {"ids": [1, 2**70]}}, r"holds the integer 1180591620717411303424, outside the "
+                                     r"64-bit range"),
 ])
 def test_bad_save_arguments_are_refused_before_anything_is_written(store, kwargs, message):
     _, mgr = manager(store)
