@@ -186,6 +186,9 @@ def read_latest(backend: StorageBackend) -> str | None:
         name = backend.read_bytes(LATEST_NAME).decode("utf-8", "replace").strip()
     except FileNotFoundError:
         return None
+    except CorruptCheckpointError as exc:  # a link or a FIFO: no usable pointer
+        logger.warning("ignoring %s: %s", backend.display(LATEST_NAME), exc)
+        return None
     return name if step_of(name) is not None else None
 
 

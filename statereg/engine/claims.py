@@ -36,6 +36,7 @@ from statereg.errors import (
     CheckpointExistsError,
     CheckpointInProgressError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     ManifestError,
     StorageError,
 )
@@ -150,9 +151,10 @@ def read_claims(backend: StorageBackend, name: str) -> list[int]:
 
 
 def read_claim(backend: StorageBackend, name: str, number: int) -> ClaimInfo | None:
+    """The claim's record, or None where it is gone or unreadable (not a regular file)."""
     try:
         return ClaimInfo.parse(backend.read_bytes(f"{name}/{claim_file(number)}"))
-    except FileNotFoundError:
+    except (FileNotFoundError, CorruptCheckpointError):
         return None
 
 
@@ -213,12 +215,15 @@ class Claim:
             self._renewer.join(timeout=30)
 
     def check_owner(self) -> None:
-        """Raise if another saver took the directory over (this one looked dead to it)."""
+        """Raise if another saver took the directory over (this one looked dead to it), or
+        wrote over this claim (a store that ignores conditional creates): the newest claim
+        must be this one, token and all."""
         numbers = read_claims(self.backend, self.name)
-        if numbers and numbers[-1] == self.number:
+        holder = read_claim(self.backend, self.name, numbers[-1]) if numbers else None
+        if numbers and numbers[-1] == self.number and holder is not None \
+                and holder.token == self.info.token:
             return
         self._stop_renewing()
-        holder = read_claim(self.backend, self.name, numbers[-1]) if numbers else None
         by = f" by {holder.describe()}" if holder is not None else ""
         raise CheckpointInProgressError(
             f"{self.backend.display(self.name)} was taken over{by} while this save was writing "
@@ -348,6 +353,16 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
         except FileExistsError:
             continue  # another saver took this number first: look again
         try:
+            # Defence in depth, for a store that ignores conditional creates: a saver whose
+            # claim was written over lost the race, and leaves every file alone.
+            mine = read_claim(backend, name, number)
+            if mine is None or mine.token != info.token:
+                raise CheckpointInProgressError(
+                    f"{backend.display(name)} was claimed by another save at the same moment "
+                    f"({mine.describe() if mine else 'its claim is gone'}); this save wrote "
+                    "nothing. The store did not refuse the second claim: see "
+                    "storage.options.require_exclusive in docs/storage.md"
+                )
             refuse_committed(backend, name)  # committed between the first check and the claim
             # Not another saver's claim being created (`.claim-N.tmp-…`, local disk): its
             # link fails or wins on its own, and it removes its temporary file itself.

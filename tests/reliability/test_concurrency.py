@@ -241,3 +241,45 @@ def test_a_reader_racing_retention_resumes_from_the_newest_or_hears_it_was_delet
         writer.close()
     assert not failures, failures
     assert len(saved) >= 3  # retention really ran under the reader
+
+
+def test_a_saver_whose_claim_was_written_over_does_not_commit(tmp_path, monkeypatch):
+    """On a store that ignores conditional creates, a second saver's claim of the same number
+    lands over the first's: the first saver compares its token before it commits, and
+    commits nothing (the claim number alone would match)."""
+    url = str(tmp_path / "root")
+    decl = declaration(url, {}, SINGLE_COMPONENTS)
+    backend = open_backend(url)
+    stalled, resume = threading.Event(), threading.Event()
+    commit = statereg.engine.save.commit
+
+    def stalling_commit(*args: Any) -> None:
+        stalled.set()
+        resume.wait(30)
+        commit(*args)
+
+    monkeypatch.setattr(statereg.engine.save, "commit", stalling_commit)
+    outcome: queue.Queue = queue.Queue()
+
+    def saver() -> None:
+        try:
+            statereg.CheckpointManager(decl, **TinyState.trained(1).objects()).save(step=3)
+        except statereg.StateregError as exc:
+            outcome.put(exc)
+        else:
+            outcome.put(None)
+
+    thread = threading.Thread(target=saver)
+    thread.start()
+    assert stalled.wait(30)
+    numbers = claims_module.read_claims(backend, "step_00000003")
+    mine = claims_module.read_claim(backend, "step_00000003", numbers[-1])
+    other = claims_module.ClaimInfo(**{**mine.__dict__, "token": "0" * 32, "pid": 1})
+    backend.write_bytes(f"step_00000003/{claim_file(numbers[-1])}", other.to_json())
+    resume.set()
+    thread.join(30)
+    error = outcome.get(timeout=5)
+
+    assert isinstance(error, statereg.CheckpointInProgressError), error
+    assert "nothing was committed by this save" in str(error)
+    assert not (tmp_path / "root" / "step_00000003" / "manifest.json").exists()
