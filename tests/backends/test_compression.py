@@ -15,11 +15,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 import zstandard
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import statereg
 from statereg.backends import codec
 from statereg.backends.dcp_io import load_dcp_metadata
+from statereg.backends.torch_private import storage_info
 
 
 class Mixed(nn.Module):
@@ -211,7 +212,7 @@ def test_a_decompression_bomb_stops_at_the_item_size(tmp_path, content_size):
     meta_path = data.parent / ".metadata"
     metadata = load_dcp_metadata(meta_path.read_bytes(), str(meta_path))
     for index, info in metadata.storage_data.items():
-        metadata.storage_data[index] = _StorageInfo(info.relative_path, 0, len(bomb),
+        metadata.storage_data[index] = storage_info(info.relative_path, 0, len(bomb),
                                                     info.transform_descriptors)
     meta_path.write_bytes(pickle.dumps(metadata))
 
