@@ -25,7 +25,13 @@ from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
 from statereg.engine.retention import best_checkpoints
 from statereg.engine.saver import SaveHandle, Saver
 from statereg.engine.world import World
-from statereg.errors import CheckpointDeletedError, CheckpointNotFoundError, SpecError
+from statereg.errors import (
+    CheckpointDeletedError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    SpecError,
+    StateregError,
+)
 from statereg.interop import ForeignKind, detect_foreign, load_foreign
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.factory import build_adapters, check_objects
@@ -72,6 +78,9 @@ class CheckpointManager:
         self._backend = open_backend(self.spec.storage.url, self.spec.storage.options)
         self.plan: RankPlan = compile_plan(self.spec, self.world.layout, self._backend.url)
         self._pending: dict[str, Any] = {}
+        # Components a failed load may have left half-overwritten, and why: save() refuses
+        # while any remains; a load that restores them clears them.
+        self._damaged: dict[str, str] = {}
         self._saver = Saver(self.spec, self._backend, self.world)
 
     # -- saving -------------------------------------------------------------------------
@@ -83,7 +92,16 @@ class CheckpointManager:
         With `save.async: thread` this returns once the state is copied to host memory;
         the write and commit run in the background (see `wait`). With `save.early_return`
         the copy runs in the background too: call `wait_staged()` before changing the state.
+        Refused while a failed load may have left components half-overwritten (see load()).
         """
+        if self._damaged:
+            names = ", ".join(sorted(self._damaged))
+            raise StateregError(
+                f"save(step={step}) refused: {next(iter(self._damaged.values()))}, so "
+                f"{names} may hold a mix of old and loaded values. Saving them would "
+                f"checkpoint damaged state; a load that restores {names} succeeds clears this "
+                "(mgr.load() resumes from the newest intact checkpoint)"
+            )
         return self._saver.save(self.plan, self._adapters, step, tokens_seen, extra)
 
     def wait_staged(self) -> None:
@@ -159,6 +177,13 @@ class CheckpointManager:
         `path` may also be a directory without a statereg manifest (docs/formats.md): a
         Hugging Face safetensors directory fills the model component; a plain DCP checkpoint
         fills the components named in `include`. Such a result has `verified=False`.
+
+        Every byte is checked against the manifest as it is read (`verify="fast"`, the
+        default; "full" also checks every file first; "off" checks only the manifest). Tensors
+        stream into live memory, so a damaged item may fail the load after some components
+        were overwritten: a resume (no path, no step) then loads the next older intact
+        checkpoint, which overwrites them all again; otherwise the error is raised and save()
+        refuses until a load restores those components (docs/reliability.md).
         """
         if verify not in ("off", "fast", "full"):
             raise SpecError(f"load(verify={verify!r}): use 'off', 'fast' or 'full'")
@@ -187,19 +212,63 @@ class CheckpointManager:
                 logger.info("no checkpoint under %s: starting fresh", self._backend.url)
             return None
         backend, committed = resolved
+        while True:
+            try:
+                return self._load_committed(backend, committed, include, exclude, strict,
+                                            verify)
+            except CheckpointDeletedError:
+                if path is not None or step is not None:
+                    raise  # the caller named this checkpoint: say it is gone
+                # A resume: the newest checkpoint was retired under us; take the newest now.
+                logger.warning("%s was deleted while loading; loading the newest checkpoint "
+                               "now", backend.display(committed.name))
+                return self.load(include=include, exclude=exclude, strict=strict,
+                                 verify=verify)
+            except CorruptCheckpointError as exc:
+                if path is not None or step is not None:
+                    raise  # the caller named this checkpoint: it is damaged
+                older = self._older_intact(committed)
+                if older is None:
+                    raise
+                # Loads the same components, so it overwrites whatever the failed one touched.
+                logger.warning("%s is damaged (%s); resuming from %s instead",
+                               backend.display(committed.name), exc,
+                               backend.display(older.name))
+                committed = older
+
+    def _load_committed(self, backend: StorageBackend, committed: Committed,
+                        include: list[str] | None, exclude: list[str], strict: bool,
+                        verify: VerifyMode) -> LoadResult:
+        """One load; a failure after live objects were modified marks them damaged."""
         names = select_components(self.spec.components, committed, include, exclude)
+        touched: set[str] = set()
         try:
             result, pending = load_checkpoint(backend, committed, self.spec, self._adapters,
-                                              names, self.world, strict=strict, verify=verify)
-        except CheckpointDeletedError:
-            if path is not None or step is not None:
-                raise  # the caller named this checkpoint: say it is gone
-            # A resume: the newest checkpoint was retired under us; take the one now newest.
-            logger.warning("%s was deleted while loading; loading the newest checkpoint now",
-                           backend.display(committed.name))
-            return self.load(include=include, exclude=exclude, strict=strict, verify=verify)
+                                              names, self.world, strict=strict, verify=verify,
+                                              touched=touched)
+        except BaseException as exc:
+            why = (f"loading {backend.display(committed.name)} failed "
+                   f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) "
+                   "after it had started to overwrite them")
+            self._damaged.update(dict.fromkeys(touched, why))
+            raise
+        for name in names:
+            self._damaged.pop(name, None)
         self._pending.update(pending)
         return result
+
+    def _older_intact(self, damaged: Committed) -> Committed | None:
+        """The newest committed checkpoint below `damaged`'s step (rank 0 decides)."""
+        below = None
+        if self.world.rank == 0:
+            limit = step_of(damaged.name)
+            older = [c.name for c in list_committed(self._backend)
+                     if limit is not None and (step_of(c.name) or 0) < limit]
+            below = older[-1] if older else None
+        name = self.world.broadcast(below)
+        if name is None:
+            return None
+        return Committed(name, read_manifest_at(self._backend, name))
 
     def attach(self, **objects: Any) -> None:
         """Give objects built after load(); saved state held for them is applied once, now."""

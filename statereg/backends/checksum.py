@@ -2,18 +2,26 @@
 
 Every file statereg writes passes through `HashingWriter`, so its size and checksum are known
 when it is stored, without reading it back; `FileRecorder` collects the `WrittenFile`s of one
-save for its manifest. Readers verify with `new_hasher` and `checksum_of`.
+save for its manifest. Readers verify what they read against those records: `check_file`
+for bytes already in memory, `verify_stream` for a whole file read in bounded blocks, and
+`VerifiedReads`, a backend whose whole-file reads are checked as they are read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import xxhash
+
+from statereg.errors import CorruptCheckpointError
+
+# Files are verified in blocks of this size, so memory stays bounded whatever a file holds.
+VERIFY_BLOCK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,97 @@ def new_hasher() -> Any:
 
 def checksum_of(hasher: Any) -> str:
     return f"xxh3_64:{hasher.hexdigest()}"
+
+
+class Recorded(Protocol):
+    """What the manifest recorded about one file (a schemas.manifest.FileRecord)."""
+
+    size: int
+    checksum: str
+
+
+def missing(where: str, record: Recorded) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where} is missing; the manifest lists it ({record.size} bytes). The checkpoint is "
+        "damaged: load an earlier one"
+    )
+
+
+def check_size(where: str, record: Recorded, size: int) -> None:
+    if size != record.size:
+        raise CorruptCheckpointError(
+            f"{where} has {size} bytes, the manifest recorded {record.size}; the file is "
+            "truncated or damaged: load an earlier checkpoint"
+        )
+
+
+def check_hasher(where: str, record: Recorded, hasher: Any) -> None:
+    if checksum_of(hasher) != record.checksum:
+        raise CorruptCheckpointError(
+            f"{where}: checksum {checksum_of(hasher)} differs from the manifest's "
+            f"{record.checksum}; the file is damaged: load an earlier checkpoint"
+        )
+
+
+def check_file(where: str, record: Recorded, data: Any) -> None:
+    """Raise CorruptCheckpointError unless `data` has the size and checksum recorded."""
+    check_size(where, record, len(memoryview(data).cast("B")))
+    hasher = new_hasher()
+    hasher.update(data)
+    check_hasher(where, record, hasher)
+
+
+def verify_stream(where: str, record: Recorded, stream: IO[bytes],
+                  sink: Callable[[Any], Any] | None = None) -> None:
+    """Read `stream` to its end in bounded blocks, checking size and checksum; each block is
+    also passed to `sink` (a copy's destination). Never reads more than one block past the
+    recorded size, so a file replaced by an endless one (a device) still ends."""
+    hasher = new_hasher()
+    size = 0
+    while size <= record.size:
+        block = stream.read(min(VERIFY_BLOCK, record.size + 1 - size))
+        if not block:
+            break
+        size += len(block)
+        if size > record.size:  # longer than recorded: say by how much where the store can
+            with contextlib.suppress(OSError, ValueError):
+                size = stream.seek(0, io.SEEK_END)
+            break
+        hasher.update(block)
+        if sink is not None:
+            sink(block)
+    check_size(where, record, size)
+    check_hasher(where, record, hasher)
+
+
+class VerifiedReads:
+    """A storage backend whose whole-file reads of recorded files are checked as they are read.
+
+    `read_bytes` of a file the manifest records reads at most one byte more than its
+    recorded size and raises CorruptCheckpointError (naming the file) on any difference,
+    before the caller sees the bytes; every other method is the backend's own. The engine
+    hands this to the layouts at load time, so every reader of whole files (object state,
+    sidecars, DCP metadata, torch and safetensors model files) is verified without knowing.
+    """
+
+    def __init__(self, backend: Any, records: Mapping[str, Recorded]) -> None:
+        self._backend = backend
+        self.records = records
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        record = self.records.get(path)
+        if record is None or limit is not None:
+            return self._backend.read_bytes(path, limit)
+        where = self._backend.display(path)
+        try:
+            data = self._backend.read_bytes(path, limit=record.size + 1)
+        except FileNotFoundError:
+            raise missing(where, record) from None
+        check_file(where, record, data)
+        return data
 
 
 class FileRecorder:

@@ -9,6 +9,9 @@ replace the filesystem underneath, for three reasons:
   and read back with a restricted unpickler, since a raw `pickle.load` can run code.
 The per-file loops are ours too (DCP's are private API): each tensor item is a `torch.save`
 record, written with torch.save itself, and read straight into its destination (torchsave.py).
+Every item's stored bytes are hashed as they are written (xxh3_64) and the digests kept in
+`.metadata` (`ITEM_CHECKSUMS`), which the manifest's checksum covers: a load checks each item
+as it reads it, at no extra I/O, and never trusts a byte the manifest does not vouch for.
 Private torch names come from torch_private.py only; `.metadata` is pickled the way DCP
 pickles it, item locations by field name, so it never depends on a private class's field order.
 """
@@ -61,11 +64,15 @@ from torch.futures import Future
 
 from statereg.backends import codec, torchsave
 from statereg.backends.base import StorageBackend
-from statereg.backends.checksum import FileRecorder, HashingWriter
+from statereg.backends.checksum import FileRecorder, HashingWriter, Recorded, verify_stream
 from statereg.backends.torch_private import StorageInfo, storage_info
 from statereg.errors import CorruptCheckpointError
 
 METADATA_NAME = ".metadata"
+# The attribute of DCP's Metadata holding each item's xxh3_64 (of its stored bytes), keyed by
+# the same MetadataIndex objects as `storage_data` (pickle stores each key once). Plain DCP
+# unpickles it as one more attribute and ignores it.
+ITEM_CHECKSUMS = "statereg_item_checksums"
 # What torch.save adds around a tensor's bytes (zip headers, the pickled tensor record).
 _TORCH_SAVE_OVERHEAD = 64 * 1024
 # Largest non-tensor item (pickled object) a compressed frame may inflate to.
@@ -147,6 +154,7 @@ class Reusable:
     offset: int
     length: int
     transforms: tuple[str, ...] = ()
+    checksum: int | None = None  # xxh3_64 of the stored bytes, when the earlier save recorded it
 
 
 def item_key(index: MetadataIndex) -> str:
@@ -298,20 +306,26 @@ class BackendWriter(FileSystemWriter):
                 relative = relative_paths[old.path] = posixpath.relpath(old.path, self.path)
             results.append(WriteResult(
                 index=item.index, size_in_bytes=old.length,
-                storage_data=storage_info(relative, old.offset, old.length,
-                                          _shared_descriptors(old.transforms))))
+                storage_data=(storage_info(relative, old.offset, old.length,
+                                           _shared_descriptors(old.transforms)),
+                              old.checksum)))
         return results, kept
 
     def _write_file(self, planner: SavePlanner, file_name: str, storage_key: str,
                     items: list[WriteItem]) -> list[WriteResult]:
-        """One DCP file: what DCP's writer does; each tensor item is one torch.save record."""
+        """One DCP file: what DCP's writer does; each tensor item is one torch.save record.
+
+        Each result's storage data is (DCP's StorageInfo, the item's xxh3_64); `finish`
+        splits them into `.metadata`'s storage_data and ITEM_CHECKSUMS.
+        """
         results = []
         ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
                    + [i for i in items if i.type != WriteItemType.BYTE_IO])
-        with self.fs.create_stream(file_name, "wb") as stream:
+        with self.fs.create_stream(file_name, "wb") as file_stream:
             for item in ordered:
                 data = planner.resolve_data(item)
-                offset = stream.tell()
+                offset = file_stream.tell()
+                stream = _HashingTee(file_stream)
                 target, descriptors = stream, ()
                 if self.compressor is not None:
                     target, descriptors = self.compressor.encoder(item, stream)
@@ -324,21 +338,44 @@ class BackendWriter(FileSystemWriter):
                     torch.save(tensor, target)
                 if target is not stream:
                     target.close()
-                length = stream.tell() - offset
+                length = file_stream.tell() - offset
                 results.append(WriteResult(
                     index=item.index, size_in_bytes=length,
-                    storage_data=storage_info(storage_key, offset, length,
-                                              _shared_descriptors(descriptors))))
+                    storage_data=(storage_info(storage_key, offset, length,
+                                               _shared_descriptors(descriptors)),
+                                  stream.hasher.intdigest())))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = "1.0.0"
-        metadata.storage_data = {wr.index: wr.storage_data for res in results for wr in res}
+        metadata.storage_data = {}
+        checksums: dict[MetadataIndex, int] = {}
+        for wr in itertools.chain.from_iterable(results):
+            metadata.storage_data[wr.index], checksum = wr.storage_data
+            if checksum is not None:
+                checksums[wr.index] = checksum
+        setattr(metadata, ITEM_CHECKSUMS, checksums)
         metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
         with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_NAME), "wb") as out, \
                 _gc_paused():
             # Plain pickle, as DCP writes it: item locations are pickled by field name.
             pickle.dump(metadata, out)
+
+
+class _HashingTee(io.RawIOBase):
+    """Passes one item's bytes on to the file's stream, hashing them on the way."""
+
+    def __init__(self, stream: io.IOBase) -> None:
+        super().__init__()
+        self._stream = stream
+        self.hasher = xxhash.xxh3_64()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.hasher.update(data)
+        return self._stream.write(data)
 
 
 _DESCRIPTORS: dict[tuple[str, ...], tuple[str, ...]] = {}
@@ -417,22 +454,45 @@ class CompressingTransforms:
 
 
 class BackendReader(FileSystemReader):
-    """DCP storage reader from `path` under the backend root, with safe metadata loading."""
+    """DCP storage reader from `path` under the backend root, with safe metadata loading.
+
+    With `records` (the manifest's files, by path from the backend root) every item is
+    checked as it is read: its stored bytes against its ITEM_CHECKSUMS digest, before they
+    are decoded, or (read straight into a tensor) as they arrive. Items without a digest
+    (checkpoints from before digests, or incremental items referencing one) are in
+    `unchecked_files()`, which the caller verifies whole before the load. Without `records`
+    (verify="off", or a directory without a manifest) nothing is checked.
+    """
 
     def __init__(self, backend: StorageBackend, path: str, thread_count: int | None = None,
-                 sizes: dict[str, int] | None = None) -> None:
+                 records: Mapping[str, Recorded] | None = None) -> None:
         super().__init__(path)
+        sizes = {p: r.size for p, r in records.items()} if records is not None else None
         self.fs = BackendFileSystem(backend, sizes=sizes)
         self.path = path
         self.thread_count = thread_count or backend.default_io_threads
+        self.records = records
         self._backend = backend
         self._metadata_bytes: bytes | None = None
         self._metadata: Metadata | None = None
+        self._checksums: dict[MetadataIndex, int] = {}
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
                               *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._metadata = metadata
+        self._checksums = item_checksums(metadata)
+
+    def file_path(self, relative_path: str) -> str:
+        """A data file's path from the backend root ('..' of incremental items resolved)."""
+        return normalize_path(self.fs.concat_path(self.path, relative_path))
+
+    def unchecked_files(self, metadata: Metadata) -> list[str]:
+        """Data files (from the backend root) holding items with no recorded digest."""
+        checksums = item_checksums(metadata)
+        return sorted({self.file_path(info.relative_path)
+                       for index, info in metadata.storage_data.items()
+                       if index not in checksums})
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         # DCP reads one file after another on the caller's thread; files are independent, so
@@ -457,47 +517,92 @@ class BackendReader(FileSystemReader):
 
     def _read_file(self, relative_path: str, items: list[ReadItem], planner: LoadPlanner,
                    ) -> None:
-        """DCP's per-file read, except tensors are read straight into their destination.
-
-        `torch.load` of each item and a copy into the destination would pass over every
-        byte twice more; `torchsave.read_into` does one `readinto`, and declines (falling
-        back to `torch.load`) for anything but a plain contiguous record.
-        """
-        with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+        """DCP's per-file read, except tensors are read straight into their destination and
+        every item is checked against its digest as it is read."""
+        path = self.file_path(relative_path)
+        if self.records is not None and path not in self.records:
+            raise CorruptCheckpointError(
+                f"{self._backend.display(self.path)}/{METADATA_NAME} refers to "
+                f"{self._backend.display(path)}, which the manifest does not list; refusing "
+                "to read it: the checkpoint is damaged or was altered"
+            )
+        with self.fs.create_stream(path, "rb") as stream:
             for req in sorted(items, key=lambda r: self.storage_data[r.storage_index].offset):
-                info: StorageInfo = self.storage_data[req.storage_index]
-                source, start, length = stream, info.offset, info.length
-                if info.transform_descriptors:
-                    stream.seek(info.offset)
-                    blob = codec.decode(info.transform_descriptors, stream.read(info.length),
-                                        self.decoded_bound(req.storage_index),
-                                        self.describe_item(req.storage_index))
-                    source, start, length = io.BytesIO(blob), 0, len(blob)
-                if req.type == LoadItemType.BYTE_IO:
-                    source.seek(start)
-                    planner.load_bytes(req, io.BytesIO(source.read(length)))
-                    continue
-                target = planner.resolve_tensor(req).detach()
                 try:
-                    if not torchsave.read_into(source, start, length, target):
-                        tensor = _narrow(torchsave.load(source, start, length),
-                                         req.storage_offsets, req.lengths)
-                        if target.size() != tensor.size():
-                            raise CorruptCheckpointError(
-                                f"{self.describe_item(req.storage_index)}: stored shape "
-                                f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
-                        target.copy_(tensor)
-                except EOFError as exc:
+                    self._read_item(stream, req, planner)
+                except torchsave.RECORD_ERRORS as exc:
                     raise CorruptCheckpointError(
-                        f"{self.describe_item(req.storage_index)} is truncated ({exc})"
+                        f"{self.describe_item(req.storage_index)} cannot be read "
+                        f"({type(exc).__name__}: {exc}); the file is damaged: load an earlier "
+                        "checkpoint"
                     ) from None
+
+    def _read_item(self, stream: Any, req: ReadItem, planner: LoadPlanner) -> None:
+        """One item: verified, decoded within its recorded bounds, into its destination."""
+        info: StorageInfo = self.storage_data[req.storage_index]
+        where = self.describe_item(req.storage_index)
+        expected = self._checksums.get(req.storage_index) if self.records is not None else None
+        if req.type != LoadItemType.BYTE_IO and not info.transform_descriptors:
+            target = planner.resolve_tensor(req).detach()
+            hasher = xxhash.xxh3_64() if expected is not None else None
+            if torchsave.read_into(stream, info.offset, info.length, target, hasher):
+                if hasher is not None:
+                    _check_item(where, expected, hasher.intdigest())
                 planner.commit_tensor(req, target)
+                return
+        # Everything else is read whole first (bounded by its recorded length) and checked
+        # before a byte of it is decoded.
+        stream.seek(info.offset)
+        blob = stream.read(info.length)
+        if len(blob) != info.length:
+            raise CorruptCheckpointError(
+                f"{where} is truncated: {len(blob)} of its {info.length} bytes are there; load "
+                "an earlier checkpoint"
+            )
+        if expected is not None:
+            _check_item(where, expected, xxhash.xxh3_64_intdigest(blob))
+        if info.transform_descriptors:
+            blob = codec.decode(info.transform_descriptors, blob,
+                                self.decoded_bound(req.storage_index), where)
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(blob))
+            return
+        target = planner.resolve_tensor(req).detach()
+        source = io.BytesIO(blob)
+        if not torchsave.read_into(source, 0, len(blob), target):
+            tensor = torchsave.load(source, 0, len(blob), where)
+            if not isinstance(tensor, torch.Tensor):
+                raise CorruptCheckpointError(f"{where}: holds no tensor; the file is damaged")
+            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+            if target.size() != tensor.size():
+                raise CorruptCheckpointError(
+                    f"{where}: stored shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(target.shape)}")
+            target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    def verify_unchecked(self, metadata: Metadata) -> None:
+        """Read whole, in bounded blocks, every data file holding items without a digest, and
+        check it against the manifest (a checkpoint from before item digests)."""
+        if self.records is None:
+            return
+        for path in self.unchecked_files(metadata):
+            record = self.records.get(path)
+            if record is None:
+                raise CorruptCheckpointError(
+                    f"{self._backend.display(self.path)}/{METADATA_NAME} refers to "
+                    f"{self._backend.display(path)}, which the manifest does not list; "
+                    "refusing to read it: the checkpoint is damaged or was altered"
+                )
+            with self._backend.open_read(path) as stream:
+                verify_stream(self._backend.display(path), record, stream)
 
     def describe_item(self, index: MetadataIndex) -> str:
         """The file holding an item, and the item, for error messages."""
         info = self.storage_data.get(index)
-        path = self.fs.concat_path(self.path, info.relative_path) if info else self.path
-        return f"{self._backend.display(path)} (item {index.fqn!r})"
+        path = self.file_path(info.relative_path) if info else self.path
+        name = item_key(index) if index.offset is not None and any(index.offset) else index.fqn
+        return f"{self._backend.display(path)} (item {name!r})"
 
     def decoded_bound(self, index: MetadataIndex) -> int:
         """The most bytes a compressed item may decode to, from the checkpoint's metadata."""
@@ -522,17 +627,27 @@ class BackendReader(FileSystemReader):
         return metadata
 
 
+def item_checksums(metadata: Metadata) -> dict[MetadataIndex, int]:
+    """Each item's xxh3_64 of its stored bytes, as the writer recorded them (empty for
+    checkpoints written before statereg recorded them)."""
+    checksums = getattr(metadata, ITEM_CHECKSUMS, None)
+    return checksums if isinstance(checksums, dict) else {}
+
+
+def _check_item(where: str, expected: int, actual: int) -> None:
+    if actual != expected:
+        raise CorruptCheckpointError(
+            f"{where}: its bytes hash to {actual:016x}, the checkpoint recorded "
+            f"{expected:016x}; the file is damaged: load an earlier checkpoint"
+        )
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except non-tensor items load with `weights_only=True`."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise CorruptCheckpointError(
-                f"item {read_item.dest_index.fqn!r} holds a pickled object outside the "
-                f"weights-only allow-list ({exc}); refusing to load it"
-            ) from None
+        length = len(value.getbuffer())
+        obj = torchsave.load(value, 0, length, f"item {read_item.dest_index.fqn!r}")
         if self.flatten_state_dict:
             _set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

@@ -12,6 +12,12 @@ as a cold cache reads best), every size checked against its zip data descriptor;
 that walk does not expect is read through the standard library's `zipfile` (central
 directory, zip64) instead. `data.pkl` is read with an unpickler that admits only what a plain
 tensor record holds.
+
+Reads can be verified as they go: `read_into` feeds every byte of the record, in order, to a
+hasher (the bytes before the payload, the payload from the destination's memory, the rest of
+the record), so the caller checks the record's digest without a second pass. `load`, the
+fallback, first bounds what the record may allocate by its own size (`check_bounded`), so a
+hostile record cannot make `torch.load` allocate gigabytes from a few bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import IO, Any
 
 import torch
 
+from statereg.errors import CorruptCheckpointError
+
 _STORAGE_DTYPES = {
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32,
     "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,
@@ -42,6 +50,12 @@ _DESCRIPTOR64 = struct.Struct("<4sIQQ")
 _SMALL_RECORDS = {".format_version", ".storage_alignment", "byteorder"}
 # How much of a record's start is read to find its payload (its header takes ~1 KiB).
 _HEAD_BYTES = 4096
+# Bytes hashed per read when a record's framing is hashed.
+_HASH_BLOCK = 1 << 20
+# What reading a damaged or hostile record can raise, from zipfile, pickle or torch.
+RECORD_ERRORS = (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, TypeError,
+                 KeyError, IndexError, AttributeError, AssertionError, RuntimeError,
+                 struct.error, UnicodeDecodeError, OverflowError, MemoryError)
 
 
 class _NotPlain(Exception):
@@ -237,12 +251,25 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor) -> bool:
+def _hash_range(stream: IO[bytes], start: int, end: int, hasher: Any) -> None:
+    """Feed bytes [start, end) of `stream` to `hasher`, in bounded reads."""
+    stream.seek(start)
+    while start < end:
+        block = stream.read(min(_HASH_BLOCK, end - start))
+        if not block:
+            raise EOFError(f"stream ended {end - start} bytes before the record's end")
+        hasher.update(block)
+        start += len(block)
+
+
+def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
+              hasher: Any = None) -> bool:
     """Fill `target` from the torch.save record at [offset, offset+length) of `stream`.
 
-    Returns False, having read nothing into `target`, when the record or the target is not
-    the plain case (the caller then uses `torch.load`). Raises EOFError if the stream ends
-    before the payload does.
+    Returns False when the record or the target is not the plain case (the caller then uses
+    `load`); `target` may then hold some of the record's bytes, which the caller overwrites.
+    With `hasher`, every byte of the record passes through it in order when True is
+    returned. Raises EOFError if the stream ends before the record does.
     """
     if (target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0
             or target.is_quantized or target.is_sparse):
@@ -251,6 +278,8 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor)
     if found is None:
         return False
     start, check_descriptor = found
+    if hasher is not None:
+        _hash_range(stream, offset, start, hasher)
     data = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
     stream.seek(start)
     view = data
@@ -259,15 +288,106 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor)
         if not got:
             raise EOFError(f"stream ended {len(view)} bytes before the tensor's end")
         view = view[got:]
+    if hasher is not None:
+        hasher.update(data)
+    rest = offset + length - start - len(data)
     if check_descriptor:
-        trailer = stream.read(min(_DESCRIPTOR64.size, offset + length - start - len(data)))
+        trailer = stream.read(min(_DESCRIPTOR64.size, rest))
         try:
             _skip_descriptor(trailer + bytes(_DESCRIPTOR64.size), 0, len(data))
         except (_NotPlain, struct.error):
             return False  # not what the header walk assumed: the caller reloads it whole
+        if hasher is not None:
+            hasher.update(trailer)
+    if hasher is not None:
+        end = offset + length
+        _hash_range(stream, end - rest + (len(trailer) if check_descriptor else 0), end, hasher)
     return True
 
 
-def load(stream: IO[bytes], offset: int, length: int) -> torch.Tensor:
-    """`torch.load` (weights only, onto the CPU) of the record at [offset, offset+length)."""
-    return torch.load(_Window(stream, offset, length), map_location="cpu", weights_only=True)
+class _Placeholder:
+    """Stands for any object data.pkl builds while `check_bounded` scans it: accepts every
+    construction and container operation, runs nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+class _StorageScan(pickle.Unpickler):
+    """Walks a record's data.pkl only to add up the bytes of the storages it declares."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        super().__init__(file)
+        self.nbytes = 0
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("torch", "UntypedStorage"):
+            return torch.uint8
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        return _Placeholder
+
+    def persistent_load(self, pid: Any) -> None:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], torch.dtype) and type(pid[4]) is int and pid[4] >= 0):
+            raise _NotPlain("storage reference")
+        self.nbytes += pid[4] * pid[1].itemsize
+
+
+def check_bounded(record: IO[bytes], length: int) -> None:
+    """Raise ValueError unless the torch.save record in `record` (`length` bytes) stores every
+    member uncompressed within itself and declares no storage larger than itself: what
+    torch.load will allocate is then bounded by the record's size."""
+    archive = zipfile.ZipFile(record)
+    pickled = None
+    for info in archive.infolist():
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size > length:
+            raise ValueError(f"member {info.filename!r} is compressed or larger than the record")
+        if info.filename.split("/", 1)[-1] == "data.pkl":
+            pickled = info
+    if pickled is None:
+        raise ValueError("no data.pkl")
+    scan = _StorageScan(io.BytesIO(archive.read(pickled)))
+    try:
+        scan.load()
+    except (_NotPlain, *RECORD_ERRORS) as exc:
+        raise ValueError(f"data.pkl does not unpickle ({type(exc).__name__}: {exc})") from None
+    if scan.nbytes > length:
+        raise ValueError(f"it declares {scan.nbytes} bytes of storage in a record of {length}")
+
+
+def load(stream: IO[bytes], offset: int, length: int, where: str) -> Any:
+    """`torch.load` (weights only, onto the CPU) of the record at [offset, offset+length).
+
+    Bounded by the record's size first (`check_bounded`); anything a damaged or hostile
+    record makes zipfile, pickle or torch raise is a CorruptCheckpointError naming `where`.
+    """
+    try:
+        check_bounded(_Window(stream, offset, length), length)
+        return torch.load(_Window(stream, offset, length), map_location="cpu",
+                          weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CorruptCheckpointError(
+            f"{where} holds a pickled object outside the weights-only allow-list "
+            f"({str(exc).splitlines()[0] if str(exc) else exc!r}); refusing to load it"
+        ) from None
+    except RECORD_ERRORS as exc:
+        raise CorruptCheckpointError(
+            f"{where}: not a readable torch.save record ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); the file is damaged or was not "
+            "written by statereg: load an earlier checkpoint"
+        ) from None

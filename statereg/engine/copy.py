@@ -1,22 +1,30 @@
 """Copy a committed checkpoint between any two roots, optionally changing its compression.
 
-Every source file is checked against the manifest's size and checksum before it is written;
-the destination manifest is written last, so an interrupted copy leaves no committed
-checkpoint behind (`statereg gc` removes its leftovers).
+Every source file is checked against the manifest's size and checksum as it is copied, in
+bounded blocks (a damaged file stops the copy before the destination is committed); DCP
+items that are rewritten are checked by their digests as they are read. The destination
+manifest is written last, so an interrupted or refused copy leaves no committed checkpoint
+behind (`statereg gc` removes its leftovers).
 """
 
 from __future__ import annotations
 
 import logging
 import posixpath
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from statereg.backends.base import StorageBackend
-from statereg.backends.checksum import FileRecorder, WrittenFile
+from statereg.backends.checksum import (
+    FileRecorder,
+    VerifiedReads,
+    WrittenFile,
+    missing,
+    verify_stream,
+)
 from statereg.backends.codec import CompressionSettings
 from statereg.backends.dcp_io import (
     METADATA_NAME,
@@ -27,12 +35,11 @@ from statereg.backends.dcp_io import (
 )
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of
 from statereg.engine.claims import claim_checkpoint, claim_scope
-from statereg.engine.load import check_checksum
+from statereg.engine.load import read_records
 from statereg.engine.publish import commit
 from statereg.engine.report import Progress
 from statereg.engine.save import file_codec
 from statereg.engine.world import attempt, raise_own
-from statereg.errors import CorruptCheckpointError
 from statereg.schemas.manifest import FileRecord, Manifest
 
 logger = logging.getLogger("statereg")
@@ -62,28 +69,35 @@ def _is_dcp_file(path: str) -> bool:
     return name == METADATA_NAME or name.endswith(".distcp")
 
 
-def _read_checked(backend: StorageBackend, name: str, record: FileRecord) -> bytes:
-    path = f"{name}/{record.path}" if name else record.path
+def _copy_checked(src: StorageBackend, name: str, record: FileRecord, dst: StorageBackend,
+                  recorder: FileRecorder) -> None:
+    """Stream one file from `src` to `dst`, checking its size and checksum on the way; the
+    destination file is dropped, not reported, if they differ."""
+    path = f"{name}/{record.path}"
+    where = src.display(path)
+    writer = dst.open_write(path, recorder.add)
     try:
-        data = backend.read_bytes(path)
+        with src.open_read(path) as stream:
+            verify_stream(where, record, stream, writer.write)
     except FileNotFoundError:
-        raise CorruptCheckpointError(
-            f"{backend.display(path)} is missing; the manifest lists it. Nothing was copied"
-        ) from None
-    if len(data) != record.size:
-        raise CorruptCheckpointError(
-            f"{backend.display(path)} has {len(data)} bytes, the manifest recorded "
-            f"{record.size}; nothing was committed at the destination"
-        )
-    check_checksum(backend.display(path), record, data)
-    return data
+        writer.abort()
+        raise missing(where, record) from None
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
 
 
-def _rewrite_dcp(src: StorageBackend, src_dir: str, dst: StorageBackend, dst_dir: str,
-                 compression: CompressionSettings | None, recorder: FileRecorder) -> None:
-    """Load every item of one DCP directory and write it again with `compression`."""
+def _rewrite_dcp(src: StorageBackend, src_dir: str, records: dict[str, FileRecord],
+                 dst: StorageBackend, dst_dir: str, compression: CompressionSettings | None,
+                 recorder: FileRecorder) -> None:
+    """Load every item of one DCP directory, each checked as it is read, and write it again
+    with `compression`."""
     state: dict[str, Any] = {}
-    _, error = attempt(load_in_place, state, BackendReader(src, src_dir), _LoadEverything())
+    reader = BackendReader(cast(StorageBackend, VerifiedReads(src, records)), src_dir,
+                           records=records)
+    reader.verify_unchecked(reader.read_metadata())
+    _, error = attempt(load_in_place, state, reader, _LoadEverything())
     if error is not None:  # DCP wraps failures in a BaseException; raise the real one
         raise_own(error, f"reading {src.display(src_dir)}", 0)
     writer = BackendWriter(dst, dst_dir, recorder, thread_count=2, compression=compression)
@@ -117,25 +131,18 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                         if posixpath.basename(r.path) == METADATA_NAME}
             settings = {d: (_source_settings(source.manifest, d) if recompress == "keep"
                             else recompress) for d in dcp_dirs}
-            # DCP reads the files it rewrites without checksums: check them (and the earlier files
-            # they reference) first. Every other file is checked as it is copied.
-            for record in records:
-                if posixpath.dirname(record.path) in dcp_dirs and _is_dcp_file(record.path):
-                    _read_checked(src, name, record)
-            for record in source.manifest.references:
-                _read_checked(src, "", record)
         recorder = FileRecorder()
         codecs = {r.path: r.codec for r in records}
         with Progress(source.manifest.total_bytes, f"copy {name}") as progress:
             for record in records:
                 if posixpath.dirname(record.path) in dcp_dirs and _is_dcp_file(record.path):
                     continue
-                data = _read_checked(src, name, record)
-                recorder.add(dst.write_bytes(f"{name}/{record.path}", data))
+                _copy_checked(src, name, record, dst, recorder)
                 progress.update(record.size)
+            every_file = read_records(source.manifest, name, source.manifest.components)
             for directory in sorted(dcp_dirs):
-                _rewrite_dcp(src, f"{name}/{directory}", dst, f"{name}/{directory}",
-                             settings[directory], recorder)
+                _rewrite_dcp(src, f"{name}/{directory}", every_file, dst,
+                             f"{name}/{directory}", settings[directory], recorder)
                 for written in recorder.files():
                     if written.path.startswith(f"{name}/{directory}/"):
                         codecs[written.path.removeprefix(f"{name}/")] = file_codec(

@@ -17,6 +17,7 @@ from statereg.backends.checksum import checksum_of, new_hasher
 from statereg.backends.dcp_io import (
     METADATA_NAME,
     Reusable,
+    item_checksums,
     item_key,
     load_dcp_metadata,
     normalize_path,
@@ -115,6 +116,7 @@ def reuse_index(backend: StorageBackend, previous: Committed | None,
     meta_path = f"{where}/{METADATA_NAME}"
     metadata = load_dcp_metadata(backend.read_bytes(meta_path), backend.display(meta_path))
     found = {}
+    checksums = item_checksums(metadata)
     for index, info in metadata.storage_data.items():
         key = item_key(index)
         if key in digests:
@@ -122,7 +124,8 @@ def reuse_index(backend: StorageBackend, previous: Committed | None,
                 digest=digests[key],
                 path=normalize_path(posixpath.join(where, info.relative_path)),
                 offset=info.offset, length=info.length,
-                transforms=tuple(info.transform_descriptors or ()))
+                transforms=tuple(info.transform_descriptors or ()),
+                checksum=checksums.get(index))
     return found
 
 

@@ -12,12 +12,18 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
 from statereg.backends.base import StorageBackend
-from statereg.backends.checksum import checksum_of, new_hasher
+from statereg.backends.checksum import (
+    VerifiedReads,
+    check_file,
+    check_size,
+    missing,
+    verify_stream,
+)
 from statereg.engine.checkpoints import Committed
 from statereg.engine.layouts import LAYOUTS, KeyReport, ReadContext
 from statereg.engine.plan import Saved, compile_load
@@ -26,10 +32,9 @@ from statereg.engine.world import World, attempt
 from statereg.errors import (
     CheckpointDeletedError,
     CheckpointMismatchError,
-    CorruptCheckpointError,
     SpecError,
 )
-from statereg.schemas.manifest import MANIFEST_NAME, FileRecord
+from statereg.schemas.manifest import MANIFEST_NAME, FileRecord, Manifest
 from statereg.schemas.spec import RegistrySpec
 
 logger = logging.getLogger("statereg")
@@ -72,7 +77,8 @@ def select_components(declared: Iterable[str], committed: Committed, include: li
 
 def verify_files(backend: StorageBackend, name: str, files: list[FileRecord],
                  mode: VerifyMode) -> None:
-    """fast: every file exists with its recorded size; full: also every checksum.
+    """fast: every file exists with its recorded size; full: also every checksum, reading
+    each file in bounded blocks (never more than one block past its recorded size).
 
     Paths are relative to checkpoint `name`, or to the root when `name` is empty.
     """
@@ -83,13 +89,15 @@ def verify_files(backend: StorageBackend, name: str, files: list[FileRecord],
     listed = {f.path: f.size for f in backend.walk(name)} if name and mode == "fast" else None
     for record in files:
         path = f"{name}/{record.path}" if name else record.path
+        where = backend.display(path)
         if mode == "full":
             try:
-                data = backend.read_bytes(path)
+                with backend.open_read(path) as stream:
+                    verify_stream(where, record, stream)
             except FileNotFoundError:
-                data = None
-            size = None if data is None else len(data)
-        elif listed is not None:
+                raise missing(where, record) from None
+            continue
+        if listed is not None:
             size = listed.get(path)
         else:
             try:
@@ -97,28 +105,22 @@ def verify_files(backend: StorageBackend, name: str, files: list[FileRecord],
             except FileNotFoundError:
                 size = None
         if size is None:
-            raise CorruptCheckpointError(
-                f"{backend.display(path)} is missing; the manifest lists it "
-                f"({record.size} bytes). The checkpoint is damaged: load an earlier one"
-            )
-        if size != record.size:
-            raise CorruptCheckpointError(
-                f"{backend.display(path)} has {size} bytes, the manifest recorded "
-                f"{record.size}; the file is truncated or damaged: load an earlier checkpoint"
-            )
-        if mode == "full":
-            check_checksum(backend.display(path), record, data)
+            raise missing(where, record)
+        check_size(where, record, size)
 
 
 def check_checksum(where: str, record: FileRecord, data: bytes) -> None:
     """Raise CorruptCheckpointError unless `data` has the checksum the manifest recorded."""
-    hasher = new_hasher()
-    hasher.update(data)
-    if checksum_of(hasher) != record.checksum:
-        raise CorruptCheckpointError(
-            f"{where}: checksum {checksum_of(hasher)} differs from the manifest's "
-            f"{record.checksum}; the file is damaged: load an earlier checkpoint"
-        )
+    check_file(where, record, data)
+
+
+def read_records(manifest: Manifest, name: str, names: Iterable[str]) -> dict[str, FileRecord]:
+    """The files a load of components `names` may read, by path from the root: the
+    checkpoint's own and every file it references (incremental items)."""
+    selected = {p for n in names for p in manifest.components[n].files}
+    records = {f"{name}/{f.path}": f for f in manifest.files if f.path in selected}
+    records.update((f.path, f) for f in manifest.references)
+    return records
 
 
 def _verify_share(backend: StorageBackend, committed: Committed, files: list[FileRecord],
@@ -151,11 +153,17 @@ def _agree_unless_deleted(backend: StorageBackend, name: str, world: World,
 def load_checkpoint(backend: StorageBackend, committed: Committed, spec: RegistrySpec,
                     adapters: dict[str, Any], names: list[str], world: World,
                     strict: bool = True, verify: VerifyMode = "fast",
+                    touched: set[str] | None = None,
                     ) -> tuple[LoadResult, dict[str, Any]]:
     """Load `names` from a committed checkpoint into their adapters, on every rank.
 
     Returns the result and the states of components whose objects are not attached yet.
-    Any rank's failure is raised on every rank, before anything is modified where possible.
+    Any rank's failure is raised on every rank. Everything read before the apply phase (the
+    manifest, DCP metadata, object state, sidecars) is verified before anything is
+    modified; tensors stream into live memory and are verified as they arrive, so a damaged
+    item can fail the load after some components were modified: `touched` (when given)
+    receives, on every rank, the names of the components the apply phase reached, so the
+    caller can make that state unusable (CheckpointManager refuses to save it).
     """
     started = time.perf_counter()
     manifest = committed.manifest
@@ -173,9 +181,11 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     pending: dict[str, Any] = {}
     keys: dict[str, KeyReport] = {}
 
-    # Sizes the manifest records (checked above unless verify is off) spare a request per file.
-    sizes = {f"{committed.name}/{f.path}": f.size for f in files} if verify != "off" else None
-    ctx = ReadContext(backend, committed.name, world, sizes, strict)
+    # Every byte read from here on is checked against the manifest as it is read (whole
+    # files by their checksums, DCP items by their digests), unless verify is off.
+    records = read_records(manifest, committed.name, names) if verify != "off" else None
+    reader = backend if records is None else cast(StorageBackend, VerifiedReads(backend, records))
+    ctx = ReadContext(reader, committed.name, world, records, strict)
 
     def prepare_all() -> None:
         for name in names:
@@ -195,6 +205,8 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     def apply_all() -> None:
         with Progress(nbytes, f"load {committed.name}") as progress, torch.no_grad():
             for name, apply in steps:
+                if touched is not None:
+                    touched.add(name)
                 apply()
                 progress.update(manifest.components[name].bytes)
 

@@ -1,6 +1,8 @@
 """The corruption sweep: flip one byte in, truncate, or delete every file of a checkpoint in
-turn. `statereg verify` and `load` raise CorruptCheckpointError naming the file and what
-differs, and the live objects are left as they were. On local disk and on the S3 server."""
+turn. `statereg verify` and every `load` (the default one included: bytes are checked as
+they are read) raise CorruptCheckpointError naming the file and what differs; the live
+objects are left as they were, or the manager refuses to save them until a load restores
+them; a resume loads the last intact checkpoint instead. On local disk and on the S3 server."""
 
 from __future__ import annotations
 
@@ -50,6 +52,19 @@ def fresh_manager(store):
     return statereg.CheckpointManager(decl(store), **state.objects()), state
 
 
+def unchanged_or_refused(mgr, state, untouched, label: str) -> str:
+    """After a failed load: the live objects are exactly as they were, or the manager
+    refuses to save them (tensors stream into live memory; docs/reliability.md)."""
+    try:
+        assert_identical(state.snapshot(), untouched, label)
+        return "unchanged"
+    except AssertionError:
+        with pytest.raises(statereg.StateregError,
+                           match=r"refused: loading .* failed .* a load that restores"):
+            mgr.save(step=99)
+        return "refused"
+
+
 def expect_corrupt(call, *needles: str) -> str:
     with pytest.raises(statereg.CorruptCheckpointError) as info:
         call()
@@ -90,9 +105,21 @@ def test_every_damaged_file_is_named_and_nothing_is_modified(store, capsys, capl
                 err = capsys.readouterr().err
                 assert where in err and what in err, err
             expect_corrupt(lambda: mgr.load(url, verify="full"), where, what)
-            if how != "flip" or record.size == 0:  # sizes: the default, fast verification
-                expect_corrupt(lambda: mgr.load(), where, what)
             assert_identical(state.snapshot(), untouched, f"{how} {path}")
+            # The default load checks sizes first and every byte as it reads it.
+            loaded, loaded_state = fresh_manager(store)
+            expect_corrupt(lambda: loaded.load(url), where,  # noqa: B023 - called now
+                           *([] if how == "flip" and record.size else [what]))
+            unchanged_or_refused(loaded, loaded_state, untouched, f"{how} {path}")
+            # A resume skips the damaged checkpoint for the last intact one, loudly.
+            with caplog.at_level(logging.WARNING, logger="statereg"):
+                assert loaded.load().step == 1
+            assert "is damaged" in caplog.text and where in caplog.text, caplog.text
+            caplog.clear()
+            assert_identical(loaded_state.snapshot(), TinyState.trained(1).snapshot())
+            loaded.save(step=3)  # the fallback load restored everything: saving works again
+            store.fs.rm(store.path("step_00000003"), recursive=True)
+            store.fs.invalidate_cache()
             store.fs.pipe_file(store.path(f"step_00000002/{path}"), original)
             swept.append((path, how))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -14,7 +14,7 @@ from statereg.backends.codec import CompressionSettings
 from statereg.engine.plan import LoadTask, Task
 from statereg.engine.world import World
 from statereg.errors import SpecError
-from statereg.schemas.manifest import ComponentRecord
+from statereg.schemas.manifest import ComponentRecord, FileRecord
 
 
 @dataclass
@@ -51,12 +51,18 @@ class WriteContext:
 
 @dataclass
 class ReadContext:
-    """Where one checkpoint is read from, for this rank."""
+    """Where one checkpoint is read from, for this rank.
+
+    `records` are the manifest's files by path from the root (the checkpoint's own and the
+    ones it references), or None with verify="off". With records, `backend` checks every
+    whole-file read against them (checksum.VerifiedReads) and DCP readers check each item as
+    it is read; they also spare a size request per file.
+    """
 
     backend: StorageBackend
     name: str
     world: World
-    sizes: dict[str, int] | None  # recorded sizes, when verified: spare a request per file
+    records: Mapping[str, FileRecord] | None
     strict: bool = True
 
 

@@ -154,12 +154,16 @@ class DCPLayout:
             return Prepared(nothing)
         adapter = require_object(task, adapter)
         directory = f"{ctx.name}/{task.directory}"
-        reader = BackendReader(ctx.backend, directory, sizes=ctx.sizes)
+        reader = BackendReader(ctx.backend, directory, records=ctx.records)
         sidecar = None
         if f"{task.directory}/{SIDECAR_NAME}" in record.files:
             path = f"{directory}/{SIDECAR_NAME}"
             sidecar = decode_state(ctx.backend.read_bytes(path), ctx.backend.display(path))
-        stored = dcp_tensor_metas(reader.read_metadata())
+        metadata = reader.read_metadata()
+        # Items saved without a digest (before statereg recorded them) are checked by
+        # reading their files whole now, before anything live changes.
+        reader.verify_unchecked(metadata)
+        stored = dcp_tensor_metas(metadata)
         targets = adapter.load_targets(stored, record.meta, ctx.strict, sidecar)
         group = ctx.world.process_group(task.collective)
 
