@@ -3,7 +3,20 @@
 #
 #   ./scripts/test.sh                         # everything
 #   ./scripts/test.sh tests/engine -k commit  # arguments go to pytest
+#
+# Under CI (CI=true, no arguments) it then also proves what pyproject.toml claims: the
+# compatibility subset on the newest claimed torch in a virtualenv of its own
+# (.ci/torch-matrix) and the cloud extras resolving next to an unpinned boto3
+# (.ci/resolve-extras). See docs/compatibility.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec "${STATEREG_VENV:-.venv}/bin/python" -m pytest -q "$@"
+status=0
+"${STATEREG_VENV:-.venv}/bin/python" -m pytest -q "$@" || status=$?
+if [[ $status -eq 0 && "${CI:-}" == "true" && $# -eq 0 ]]; then
+  .ci/resolve-extras || status=$?
+  if [[ $status -eq 0 ]]; then
+    .ci/torch-matrix || status=$?
+  fi
+fi
+exit $status
