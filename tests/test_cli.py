@@ -189,6 +189,7 @@ def test_inspect_reports_components_tensors_step_and_versions(
     out = capsys.readouterr().out
     assert "step:        10" in out
     assert "tokens_seen: 1280" in out
+    assert 'extra:       {"loss": 1.25}' in out  # JSON, as `ls` prints it
     assert f"torch {torch.__version__}" in out
     model_line = next(line for line in out.splitlines() if line.startswith("model "))
     assert model_line.split()[:5] == ["model", "model", "sharded", "dcp", "2"]
