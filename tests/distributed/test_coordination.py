@@ -158,3 +158,32 @@ def staging_failure_is_raised_later(rank: int, world: int, root: Path) -> None:
 def test_a_failure_of_background_staging_is_raised_by_wait_staged_wait_and_next_save(
         tmp_path: Path) -> None:
     run_ranks(2, staging_failure_is_raised_later, tmp_path, tmp_path / "ckpt")
+
+
+def logs_once(rank: int, world: int, root: Path) -> None:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("statereg")
+    logger.addHandler(Keep(logging.INFO))
+    logger.setLevel(logging.INFO)
+    spec = {"storage": {"url": str(root)}, "components": {"model": {"kind": "model"}}}
+    with statereg.CheckpointManager(spec, model=nn.Linear(4, 4)) as mgr:
+        assert mgr.load() is None
+        mgr.save(step=1)
+        mgr.load()
+    if rank == 0:
+        assert any(m.endswith(": starting fresh") for m in records), records
+        assert any(m.startswith("saved ") and f"on {world} rank(s)" in m for m in records)
+        assert any(m.startswith("loaded ") and f"on {world} rank(s)" in m for m in records)
+    else:
+        assert records == [], records  # one line per job, not one per rank
+
+
+def test_save_and_load_log_once_per_job_with_the_rank_count(tmp_path: Path) -> None:
+    run_ranks(2, logs_once, tmp_path, tmp_path / "ckpt")
