@@ -5,8 +5,7 @@ adlfs is imported only when an Azure root is opened, so statereg works without i
 
 from __future__ import annotations
 
-from statereg.backends.base import EXCLUSIVE_WRITE, StorageBackend, StoredFile
-from statereg.backends.checksum import WrittenFile, checksum_of, new_hasher
+from statereg.backends.base import StorageBackend, StoredFile
 
 
 def _error_codes(error: BaseException) -> set[str]:
@@ -37,14 +36,6 @@ class AzureBackend(StorageBackend):
     # adlfs sends mode="create" as an upload with If-None-Match: *; the service refuses it
     # (409 BlobAlreadyExists) if the blob exists, so of two racing writers exactly one wins.
     atomic_create = True
-
-    def _store_if_absent(self, path: str, data: bytes) -> WrittenFile:
-        hasher = new_hasher()
-        hasher.update(data)
-        with self._storage_op(EXCLUSIVE_WRITE, path):
-            # adlfs raises FileExistsError when the service answers BlobAlreadyExists.
-            self.fs.pipe_file(self.full_path(path), data, mode="create")  # type: ignore[attr-defined]
-        return WrittenFile(path, len(data), checksum_of(hasher))
 
     def _bucket_missing(self, not_found: FileNotFoundError) -> bool:
         # adlfs raises FileNotFoundError both for an empty prefix and, with the SDK's

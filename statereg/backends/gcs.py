@@ -9,8 +9,7 @@ import logging
 import os
 from typing import Any
 
-from statereg.backends.base import EXCLUSIVE_WRITE, StorageBackend
-from statereg.backends.checksum import WrittenFile, checksum_of, new_hasher
+from statereg.backends.base import StorageBackend
 
 logger = logging.getLogger("statereg")
 
@@ -34,14 +33,6 @@ class GCSBackend(StorageBackend):
     # An upload with ifGenerationMatch=0: GCS refuses it with 412 if the object exists, so
     # of two racing writers exactly one wins. (gcp-storage-emulator ignores the condition.)
     atomic_create = True
-
-    def _store_if_absent(self, path: str, data: bytes) -> WrittenFile:
-        hasher = new_hasher()
-        hasher.update(data)
-        with self._storage_op(EXCLUSIVE_WRITE, path):
-            # gcsfs sends mode="create" as ifGenerationMatch=0 and raises FileExistsError on 412.
-            self.fs.pipe_file(self.full_path(path), data, mode="create")  # type: ignore[attr-defined]
-        return WrittenFile(path, len(data), checksum_of(hasher))
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         fs, root = super()._open_filesystem(url, options)
