@@ -21,12 +21,13 @@ import torch
 from torch import nn
 
 from statereg.backends.base import StorageBackend
+from statereg.backends.checksum import VerifiedReads
 from statereg.backends.dcp_io import METADATA_NAME
 from statereg.backends.registry import open_backend, url_scheme
 from statereg.engine.inspect import open_checkpoint, split_checkpoint_url
-from statereg.engine.load import KeyReport, LoadResult
+from statereg.engine.load import KeyReport, LoadResult, read_records
 from statereg.engine.report import format_bytes, format_table
-from statereg.engine.world import World, attempt
+from statereg.engine.world import World, attempt, raise_own
 from statereg.errors import CheckpointMismatchError, CheckpointNotFoundError, SpecError
 from statereg.formats.files import open_model_files
 from statereg.formats.foreign import (
@@ -42,6 +43,7 @@ from statereg.formats.hf import (
     write_safetensors,
 )
 from statereg.formats.tensors import nbytes
+from statereg.formats.torchfile import TorchFile
 from statereg.schemas.spec import DEFAULT_MAX_SHARD_SIZE, PrefixSpec, parse_size
 from statereg.state.factory import Adapter
 from statereg.state.model import ModelAdapter
@@ -109,7 +111,9 @@ def load_model_from(path: str | os.PathLike[str], model: nn.Module, *,
     apply, report = prepare_model(open_foreign(backend, name, kind),
                                   ModelAdapter("model", model, rule), strict)
     with torch.no_grad():
-        apply()
+        _, error = attempt(apply)
+    if error is not None:  # DCP wraps a damaged item's error: raise statereg's own
+        raise_own(error, f"loading {backend.display(name)}", 0)
     logger.warning("loaded %s into the model: %s; %s", backend.display(name), report,
                    FOREIGN_NOTE)
     return report
@@ -252,8 +256,13 @@ def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | Non
         raise SpecError(f"{url}: {name!r} is not a model component saved once (models: "
                         f"{models})")
     directory = f"{ckpt.name}/{name}"
-    source = (DCPDirectory(backend, directory) if record.format == "dcp"
-              else open_model_files(backend, directory, record.format))
+    # Every byte exported is checked against the manifest as it is read, as a load does.
+    verified: Any = VerifiedReads(backend, read_records(ckpt.manifest, ckpt.name, [name]))
+    if record.format == "dcp":
+        source: TensorSource | TorchFile = DCPDirectory(verified, directory)
+        source.reader.verify_unchecked(source.reader.read_metadata())
+    else:
+        source = open_model_files(verified, directory, record.format)
     if not source.metas:
         raise CheckpointMismatchError(f"{url}: component {name!r} holds no tensors")
     out = os.fspath(out_dir)
@@ -261,7 +270,14 @@ def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | Non
     target = open_backend(out, options if same else None)
     written: list[str] = []
     cast = DTYPES[dtype] if dtype else None
-    write_safetensors(target, "", source.metas, source.read, limit,
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        tensors, error = attempt(source.read, names)
+        if error is not None:  # DCP wraps a damaged item's CorruptCheckpointError: unwrap it
+            raise_own(error, f"reading {backend.display(directory)}", 0)
+        return tensors
+
+    write_safetensors(target, "", source.metas, read, limit,
                       lambda f: written.append(f.path), writes=True, dtype=cast)
     if config is not None:
         target.write_bytes("config.json", Path(config).read_bytes())

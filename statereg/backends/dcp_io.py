@@ -64,7 +64,13 @@ from torch.futures import Future
 
 from statereg.backends import codec, torchsave
 from statereg.backends.base import StorageBackend
-from statereg.backends.checksum import FileRecorder, HashingWriter, Recorded, verify_stream
+from statereg.backends.checksum import (
+    FileRecorder,
+    HashingWriter,
+    Recorded,
+    VerifiedReads,
+    verify_stream,
+)
 from statereg.backends.torch_private import StorageInfo, storage_info
 from statereg.errors import CorruptCheckpointError
 
@@ -461,12 +467,16 @@ class BackendReader(FileSystemReader):
     are decoded, or (read straight into a tensor) as they arrive. Items without a digest
     (checkpoints from before digests, or incremental items referencing one) are in
     `unchecked_files()`, which the caller verifies whole before the load. Without `records`
-    (verify="off", or a directory without a manifest) nothing is checked.
+    (verify="off", or a directory without a manifest) nothing is checked. Over a
+    `VerifiedReads` backend the records default to its own, so any reader built on a
+    verified backend (export, inspect, copy) checks what it reads.
     """
 
     def __init__(self, backend: StorageBackend, path: str, thread_count: int | None = None,
                  records: Mapping[str, Recorded] | None = None) -> None:
         super().__init__(path)
+        if records is None and isinstance(backend, VerifiedReads):
+            records = backend.records
         sizes = {p: r.size for p, r in records.items()} if records is not None else None
         self.fs = BackendFileSystem(backend, sizes=sizes)
         self.path = path
