@@ -24,6 +24,7 @@ from statereg.engine.load import LoadResult, VerifyMode, load_checkpoint, select
 from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
 from statereg.engine.retention import best_checkpoints
 from statereg.engine.saver import SaveHandle, Saver
+from statereg.engine.tiers import TierEngine
 from statereg.engine.world import World
 from statereg.errors import (
     CheckpointDeletedError,
@@ -82,12 +83,19 @@ class CheckpointManager:
         # while any remains; a load that restores them clears them.
         self._damaged: dict[str, str] = {}
         self._saver = Saver(self.spec, self._backend, self.world)
+        # With `tiers:`, saves go to memory and drain to storage.url (docs/tiers.md).
+        self._tiers = (None if self.spec.tiers is None
+                       else TierEngine(self.spec, self._backend, self.world, self._adapters))
 
     # -- saving -------------------------------------------------------------------------
 
     def save(self, step: int, tokens_seen: int | None = None,
-             extra: dict[str, Any] | None = None) -> SaveHandle:
+             extra: dict[str, Any] | None = None) -> SaveHandle | None:
         """Save every attached component as checkpoint `step`; returns its URL (a SaveHandle).
+
+        With `tiers:`, only the tiers due at `step` save (memory every tiers.memory.every
+        steps, drained in the background every tiers.durable.every): the URL is the memory
+        checkpoint's, and None when no tier is due (docs/tiers.md).
 
         With `save.async: thread` this returns once the state is copied to host memory;
         the write and commit run in the background (see `wait`). With `save.early_return`
@@ -102,6 +110,8 @@ class CheckpointManager:
                 f"checkpoint damaged state; a load that restores {names} succeeds clears this "
                 "(mgr.load() resumes from the newest intact checkpoint)"
             )
+        if self._tiers is not None:
+            return self._tiers.save(self.plan, self._adapters, step, tokens_seen, extra)
         return self._saver.save(self.plan, self._adapters, step, tokens_seen, extra)
 
     def wait_staged(self) -> None:
@@ -114,8 +124,12 @@ class CheckpointManager:
         self._saver.wait_staged()
 
     def wait(self) -> None:
-        """Block until the pending background save is committed; re-raise its failure."""
+        """Block until the pending background save is committed; re-raise its failure.
+
+        With `tiers:`, also until the drain in flight is committed to storage.url."""
         self._saver.wait()
+        if self._tiers is not None:
+            self._tiers.wait()
 
     # -- loading ------------------------------------------------------------------------
 
@@ -198,6 +212,15 @@ class CheckpointManager:
             exclude += chosen.exclude
             include = include or chosen.include
         self.wait()
+        if path is None and step is None and self._tiers is not None:
+            nearest = self._tiers.nearest()
+            if nearest is not None:
+                try:
+                    return self._load_committed(*nearest, include, exclude, strict, verify)
+                except (CorruptCheckpointError, CheckpointDeletedError) as exc:
+                    # Loads the same components, so it overwrites whatever this one touched.
+                    logger.warning("memory copy %s unusable (%s); restoring from %s",
+                                   nearest[0].display(nearest[1].name), exc, self._backend.url)
         try:
             resolved = self._resolve(path, step)
         except CheckpointNotFoundError:
@@ -315,8 +338,12 @@ class CheckpointManager:
     # -- lifetime -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for a pending save and stop the background thread."""
-        self._saver.close()
+        """Wait for a pending save (and drain) and stop the background threads."""
+        try:
+            if self._tiers is not None:
+                self._tiers.close()
+        finally:
+            self._saver.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -16,6 +16,7 @@ from statereg.backends.gcs import GCSBackend
 from statereg.backends.local import LocalBackend
 from statereg.backends.memory import MemoryBackend
 from statereg.backends.s3 import S3Backend
+from statereg.backends.shm import SharedMemoryBackend
 from statereg.errors import SpecError
 
 ENTRY_POINT_GROUP = "statereg.backends"
@@ -30,7 +31,8 @@ def register_backend(backend: type[StorageBackend]) -> type[StorageBackend]:
     return backend
 
 
-for _builtin in (LocalBackend, MemoryBackend, S3Backend, GCSBackend, AzureBackend):
+for _builtin in (LocalBackend, MemoryBackend, S3Backend, GCSBackend, AzureBackend,
+                 SharedMemoryBackend):
     register_backend(_builtin)
 _entry_points_loaded = False
 

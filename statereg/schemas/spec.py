@@ -326,6 +326,83 @@ class SaveSpec(_Declared):
         return self
 
 
+class MemoryTierSpec(_Declared):
+    """The memory tier: checkpoints in host shared memory (/dev/shm), which outlives the
+    trainer process but not the node (docs/tiers.md)."""
+
+    url: str = Field(
+        default="shm://{run_id}",
+        min_length=1,
+        description="Where memory checkpoints live: shm://NAME is a folder under /dev/shm (or "
+        "$STATEREG_SHM_DIR), one per node; {run_id} is $STATEREG_RUN_ID, else "
+        "$TORCHELASTIC_RUN_ID, else a name derived from storage.url. The job's identity "
+        "(world size, each rank's node, its groups) picks a sub-folder, so another job never "
+        "adopts these files.",
+    )
+    every: int = Field(default=10, ge=1, description="Save to memory every N steps.")
+    keep_last: int = Field(
+        default=2,
+        description="Memory checkpoints kept (at least 2, so the only complete copy is never "
+        "the one being overwritten). Memory used: (keep_last + 1) x the state.",
+    )
+    drain: Literal["wait", "skip"] = Field(
+        default="wait",
+        description="When a durable checkpoint is due while the previous drain is still "
+        "copying: wait for it (the loop blocks), or skip this one (the next due step drains).",
+    )
+
+    @field_validator("keep_last")
+    @classmethod
+    def _two_at_least(cls, keep_last: int) -> int:
+        if keep_last < 2:
+            raise ValueError(
+                f"keep_last {keep_last} is below 2: with one memory checkpoint, a crash while "
+                "it is being replaced leaves no complete copy in memory; use 2 or more"
+            )
+        return keep_last
+
+    @field_validator("url")
+    @classmethod
+    def _shm_url(cls, url: str) -> str:
+        if not url.startswith("shm://") or not url[len("shm://"):].strip("/"):
+            raise ValueError(f"memory tier url {url!r} must be shm://NAME, e.g. shm://{{run_id}}")
+        return url
+
+
+class DurableTierSpec(_Declared):
+    """The durable tier (`storage.url`): memory checkpoints copied there in the background."""
+
+    every: int = Field(
+        default=500, ge=1,
+        description="Drain every N steps: the memory checkpoint of that step is copied to "
+        "storage.url (manifest last); it must be a multiple of tiers.memory.every.",
+    )
+    keep_last: int | None = Field(
+        default=None, ge=1, description="Keep the newest N durable checkpoints (default: all)."
+    )
+    keep_every: int | None = Field(
+        default=None, ge=1, description="Also keep every durable checkpoint whose step is a "
+        "multiple of N.",
+    )
+
+
+class TiersSpec(_Declared):
+    """Memory-first tiers: save often into memory, drain some of those saves to storage.url."""
+
+    memory: MemoryTierSpec = Field(default_factory=MemoryTierSpec)
+    durable: DurableTierSpec = Field(default_factory=DurableTierSpec)
+
+    @model_validator(mode="after")
+    def _durable_steps_are_memory_steps(self) -> TiersSpec:
+        if self.durable.every % self.memory.every:
+            raise ValueError(
+                f"durable.every {self.durable.every} is not a multiple of memory.every "
+                f"{self.memory.every}: a durable checkpoint is a drained memory checkpoint, "
+                "so every durable step must also be a memory step"
+            )
+        return self
+
+
 class ProfileSpec(_Declared):
     """A named selection of components for load(profile=...), e.g. a fine-tune."""
 
@@ -343,6 +420,18 @@ class RegistrySpec(_Declared):
     components: dict[str, ComponentSpec] = Field(min_length=1)
     save: SaveSpec = Field(default_factory=SaveSpec)
     profiles: dict[str, ProfileSpec] = Field(default_factory=dict)
+    tiers: TiersSpec | None = Field(
+        default=None,
+        description="Memory-first tiers (docs/tiers.md): save() saves to memory every "
+        "tiers.memory.every steps and drains every tiers.durable.every to storage.url. "
+        "Without it, every save goes to storage.url as before.",
+    )
+    restore: Literal["nearest"] = Field(
+        default="nearest",
+        description="Which copy load() resumes from: nearest, the newest step complete on "
+        "every rank in some tier, memory first (the durable tier is read only when it holds "
+        "a newer step).",
+    )
 
     @field_validator("components")
     @classmethod
@@ -371,6 +460,8 @@ class RegistrySpec(_Declared):
                     f"components.{name} needs 'model': the model component it optimizes "
                     f"(model components: {models or 'none'})"
                 )
+        if self.tiers is not None:
+            self._tiers_fit_save()
         for pname, profile in self.profiles.items():
             for listed in [*profile.exclude, *(profile.include or [])]:
                 if listed not in self.components:
@@ -379,6 +470,20 @@ class RegistrySpec(_Declared):
                         f"components: {', '.join(self.components)}"
                     )
         return self
+
+    def _tiers_fit_save(self) -> None:
+        save = self.save
+        if save.keep_last is not None or save.keep_every is not None or save.keep_best:
+            raise ValueError("with 'tiers', retention is declared per tier: move save.keep_last "
+                             "/ keep_every to tiers.durable (keep_best is not built for tiers "
+                             "yet)")
+        if save.async_mode != "off":
+            raise ValueError("with 'tiers', memory saves are synchronous (a tmpfs write is one "
+                             "memory copy, and the drain to storage.url already runs in the "
+                             "background): set save.async to off")
+        if save.incremental:
+            raise ValueError("'tiers' with save.incremental is not built yet: set incremental "
+                             "to false")
 
     def model_for(self, optimizer: str) -> str:
         """Name of the model component that the optimizer component `optimizer` updates."""

@@ -1,0 +1,89 @@
+"""shm://: checkpoints in host shared memory (tmpfs), which outlives the trainer process.
+
+A file on /dev/shm survives a crashed or killed process and is gone when the node reboots,
+so a memory checkpoint costs one memory copy to write and to read, and never touches a disk
+or the network. Everything else is local disk: the same durable-write and containment rules
+(`LocalBackend`), so the commit protocol (manifest last, checksums, exclusive create) is the
+same as on any root.
+
+`shm://NAME` is the folder `<shm>/statereg/<node>/NAME`, where `<shm>` is /dev/shm, or
+$STATEREG_SHM_DIR (tests point it at a temporary folder), and `<node>` names this host:
+$STATEREG_NODE, else the host name. Several simulated nodes on one machine thus get one
+memory folder each, as real hosts do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Any
+
+from statereg.backends.local import LocalBackend
+from statereg.errors import SpecError, StorageError
+
+SHM_DIR_ENV = "STATEREG_SHM_DIR"
+NODE_ENV = "STATEREG_NODE"
+DEFAULT_SHM_DIR = "/dev/shm"
+_SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+def shm_dir() -> str:
+    """The shared-memory folder: $STATEREG_SHM_DIR, else /dev/shm."""
+    return os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR
+
+
+def node_name() -> str:
+    """This node's name: $STATEREG_NODE (a simulated node), else the host name."""
+    return _SAFE.sub("_", os.environ.get(NODE_ENV) or socket.gethostname()) or "node"
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still allocate on the filesystem holding `path`."""
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+def used_bytes(path: str) -> int:
+    """Bytes held by the regular files under `path` (0 if it does not exist)."""
+    total = 0
+    for folder, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
+class SharedMemoryBackend(LocalBackend):
+    """Checkpoints in this node's shared memory (`shm://NAME`)."""
+
+    schemes = ("shm",)
+
+    def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
+        name = url[len("shm://"):].strip("/")
+        if not name or any(part in ("", ".", "..") for part in name.split("/")):
+            raise SpecError(f"shared-memory url {url!r}: write shm://NAME, e.g. shm://run7; "
+                            "NAME may not be empty nor hold '.' or '..' parts")
+        base = shm_dir()
+        if not os.path.isdir(base):
+            raise StorageError(f"{url}: the shared-memory folder {base} does not exist; "
+                               f"mount a tmpfs there or point ${SHM_DIR_ENV} at one")
+        fs, _ = super()._open_filesystem("/", {})
+        return fs, os.path.join(base, "statereg", node_name(), name)
+
+    def check_room(self, needed: int, what: str) -> None:
+        """Refuse, with the numbers, when the shared-memory filesystem cannot hold `needed`
+        bytes (counting what this root already holds, which its retention reuses)."""
+        os.makedirs(self.root, exist_ok=True)
+        held = used_bytes(self.root)
+        free = free_bytes(self.root)
+        if needed > free + held:
+            raise StorageError(
+                f"{self.url} ({self.root}) is too small for {what}: it needs {needed:,} bytes, "
+                f"and {free:,} bytes are free plus {held:,} held by this job's memory "
+                "checkpoints. Lower tiers.memory.keep_last, enlarge the tmpfs (e.g. "
+                f"`mount -o remount,size=... {shm_dir()}`), or point ${SHM_DIR_ENV} at a "
+                "larger one"
+            )
