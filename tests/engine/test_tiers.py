@@ -1,0 +1,379 @@
+"""Memory-first tiers (docs/tiers.md): the declaration, the shm:// backend, which tier each
+save goes to, draining, retention per tier, and restoring from the nearest complete copy."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import statereg
+from statereg.backends.registry import open_backend
+from statereg.backends.shm import SharedMemoryBackend
+from statereg.engine.checkpoints import list_committed
+from statereg.engine.load import verify_files
+from statereg.engine.tiers import identity_folder, job_identity, run_id
+from statereg.engine.world import World, WorldLayout
+from statereg.errors import SpecError, StorageError
+from tests.conftest import make_store
+
+COMPONENTS = {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}}
+
+
+@pytest.fixture(autouse=True)
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private shared-memory folder and node name for each test."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    monkeypatch.setenv("STATEREG_SHM_DIR", str(folder))
+    monkeypatch.setenv("STATEREG_NODE", "node0")
+    monkeypatch.setenv("STATEREG_RUN_ID", "run7")
+    return folder
+
+
+def tiered(url: str, memory: dict[str, Any] | None = None,
+           durable: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"storage": {"url": url}, "components": COMPONENTS,
+            "tiers": {"memory": {"every": 2, **(memory or {})},
+                      "durable": {"every": 4, **(durable or {})}}, **extra}
+
+
+class Trainee:
+    """A tiny model and AdamW whose state after step s is the same bits in every run."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+
+    def step(self, step: int) -> None:
+        data = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        self.model(data).square().mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def manager(self, spec: dict[str, Any]) -> statereg.CheckpointManager:
+        return statereg.CheckpointManager(spec, model=self.model, optimizer=self.optimizer)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        found = {f"model.{k}": v.clone() for k, v in self.model.state_dict().items()}
+        for index, state in self.optimizer.state_dict()["state"].items():
+            found.update({f"opt.{index}.{k}": torch.as_tensor(v).clone()
+                          for k, v in state.items()})
+        return found
+
+
+def trained(steps: int) -> Trainee:
+    trainee = Trainee()
+    for step in range(1, steps + 1):
+        trainee.step(step)
+    return trainee
+
+
+def assert_same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def run(spec: dict[str, Any], steps: int) -> statereg.CheckpointManager:
+    trainee = Trainee()
+    mgr = trainee.manager(spec)
+    for step in range(1, steps + 1):
+        trainee.step(step)
+        mgr.save(step)
+    mgr.wait()
+    return mgr
+
+
+def steps_in(url: str) -> list[int]:
+    return [c.step for c in list_committed(open_backend(url))]
+
+
+# -- the declaration ----------------------------------------------------------------------
+
+
+def test_without_tiers_every_save_goes_to_storage_url_and_nothing_touches_shm(
+        tmp_path: Path, shm: Path) -> None:
+    spec = {"storage": {"url": str(tmp_path / "ckpt")}, "components": COMPONENTS}
+    assert statereg.load_spec(spec).tiers is None
+    mgr = run(spec, 3)
+    assert mgr.list() == [f"{tmp_path}/ckpt/step_0000000{s}" for s in (1, 2, 3)]
+    assert not os.listdir(shm)
+
+
+@pytest.mark.parametrize(("tiers", "message"), [
+    ({"memory": {"keep_last": 1}},
+     "tiers.memory.keep_last: keep_last 1 is below 2: with one memory checkpoint, a crash "
+     "while it is being replaced leaves no complete copy in memory; use 2 or more"),
+    ({"memory": {"every": 3}, "durable": {"every": 10}},
+     "tiers: durable.every 10 is not a multiple of memory.every 3"),
+    ({"memory": {"replicate": {"to": "next_node"}}},
+     "tiers.memory.replicate: unknown field 'replicate'; allowed fields: drain, every, "
+     "keep_last, url"),
+    ({"memory": {"url": "/dev/shm/x"}}, "memory tier url '/dev/shm/x' must be shm://NAME"),
+    ({"memory": {"drain": "later"}}, "tiers.memory.drain: Input should be 'wait' or 'skip'"),
+])
+def test_bad_tier_declarations_are_refused_naming_the_field(
+        tiers: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError) as raised:
+        statereg.load_spec({"storage": {"url": "/x"}, "components": COMPONENTS,
+                            "tiers": tiers})
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(("save", "message"), [
+    ({"keep_last": 3}, "move save.keep_last / keep_every to tiers.durable"),
+    ({"async": "thread"}, "memory saves are synchronous"),
+    ({"incremental": True}, "'tiers' with save.incremental is not built yet"),
+])
+def test_save_settings_that_tiers_replace_are_refused(save: dict[str, Any],
+                                                      message: str) -> None:
+    with pytest.raises(SpecError) as raised:
+        statereg.load_spec(tiered("/x", save=save))
+    assert message in str(raised.value)
+
+
+def test_on_signal_and_peer_replica_are_not_declarable_yet() -> None:
+    with pytest.raises(SpecError, match="unknown field 'on_signal'"):
+        statereg.load_spec({**tiered("/x"), "on_signal": ["SIGTERM"]})
+
+
+# -- the shm:// backend -------------------------------------------------------------------
+
+
+def test_shm_url_is_a_folder_per_node_under_the_shared_memory_dir(
+        shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = open_backend("shm://run7/job")
+    assert isinstance(backend, SharedMemoryBackend)
+    assert backend.root == f"{shm}/statereg/node0/run7/job"
+    monkeypatch.setenv("STATEREG_NODE", "node1")
+    assert open_backend("shm://run7/job").root == f"{shm}/statereg/node1/run7/job"
+    with pytest.raises(SpecError, match=r"'shm://run7/\.\./x': write shm://NAME"):
+        open_backend("shm://run7/../x")
+
+
+def test_shm_refuses_a_tmpfs_too_small_with_the_numbers(tmp_path: Path) -> None:
+    spec = tiered(str(tmp_path / "durable"), memory={"keep_last": 10**9})
+    with pytest.raises(StorageError) as raised:
+        Trainee().manager(spec)
+    text = str(raised.value)
+    assert "is too small for tiers.memory.keep_last 1000000000 checkpoints" in text
+    assert "bytes are free plus 0 held by this job's memory checkpoints" in text
+    assert "Lower tiers.memory.keep_last" in text
+
+
+# -- saving -------------------------------------------------------------------------------
+
+
+def test_save_picks_the_due_tiers_and_retention_runs_per_tier(tmp_path: Path) -> None:
+    durable = str(tmp_path / "durable")
+    trainee = Trainee()
+    mgr = trainee.manager(tiered(durable, durable={"keep_last": 2}))
+    handles = []
+    for step in range(1, 14):
+        trainee.step(step)
+        handles.append(mgr.save(step))
+        mgr.wait()
+    memory = mgr._tiers.memory
+    assert handles[0] is None and handles[2] is None
+    assert handles[1] == memory.display("step_00000002")
+    assert steps_in(memory.url) == [10, 12]  # keep_last 2 (the default)
+    assert steps_in(durable) == [8, 12]  # drained 4, 8, 12; keep_last 2
+    for committed in list_committed(open_backend(durable)):
+        verify_files(open_backend(durable), committed.name, committed.manifest.files, "full")
+    mgr.close()
+
+
+class BlockedWrites:
+    """Holds every file write into the durable root until `release()` (a slow store)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        original = backend.open_write
+
+        def open_write(path: str, on_done: Any = None) -> Any:
+            self.entered.set()
+            assert self.gate.wait(30)
+            return original(path, on_done)
+
+        backend.open_write = open_write
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def test_drain_skip_policy_drops_a_due_drain_while_one_is_in_flight(tmp_path: Path) -> None:
+    durable = str(tmp_path / "durable")
+    trainee = Trainee()
+    mgr = trainee.manager(tiered(durable, memory={"drain": "skip", "keep_last": 2},
+                                 durable={"every": 2}))
+    blocked = BlockedWrites(mgr._backend)
+    trainee.step(1), trainee.step(2)
+    mgr.save(2)
+    assert blocked.entered.wait(10)
+    for step in (3, 4, 5, 6):
+        trainee.step(step)
+        mgr.save(step)
+    # The drain of step 2 still reads it: memory retention keeps it next to 4 and 6.
+    assert steps_in(mgr._tiers.memory.url) == [2, 4, 6]
+    blocked.release()
+    mgr.wait()
+    assert steps_in(durable) == [2]
+    trainee.step(7), trainee.step(8)
+    mgr.save(8)
+    mgr.wait()
+    assert steps_in(durable) == [2, 8]
+    assert steps_in(mgr._tiers.memory.url) == [6, 8]
+    mgr.close()
+
+
+def test_drain_wait_policy_blocks_the_next_due_drain_until_the_first_commits(
+        tmp_path: Path) -> None:
+    durable = str(tmp_path / "durable")
+    trainee = Trainee()
+    mgr = trainee.manager(tiered(durable, durable={"every": 2}))
+    blocked = BlockedWrites(mgr._backend)
+    trainee.step(1), trainee.step(2)
+    mgr.save(2)
+    assert blocked.entered.wait(10)
+    threading.Timer(0.3, blocked.release).start()
+    trainee.step(3), trainee.step(4)
+    mgr.save(4)  # waits for the drain of step 2 first
+    assert steps_in(durable) == [2]
+    mgr.wait()
+    assert steps_in(durable) == [2, 4]
+    mgr.close()
+
+
+def test_durable_on_the_s3_server(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    store = make_store("s3", request, tmp_path)
+    spec = tiered(store.url)
+    spec["storage"]["options"] = store.options
+    mgr = run(spec, 9)
+    mgr.close()
+    assert steps_in_backend(open_backend(store.url, store.options)) == [4, 8]
+    fresh = Trainee()
+    restorer = fresh.manager(spec)
+    assert restorer.load().step == 8
+    assert_same_bits(fresh.tensors(), trained(8).tensors())
+    restorer.close()
+
+
+def steps_in_backend(backend: Any) -> list[int]:
+    return [c.step for c in list_committed(backend)]
+
+
+# -- restoring ----------------------------------------------------------------------------
+
+
+class CountedReads:
+    """Counts the bytes and calls read from a backend (every read goes through these)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.bytes = self.calls = 0
+        read_bytes, open_read = backend.read_bytes, backend.open_read
+
+        def counted_read_bytes(path: str, limit: int | None = None) -> bytes:
+            data = read_bytes(path, limit)
+            self.calls += 1
+            self.bytes += len(data)
+            return data
+
+        def counted_open_read(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return open_read(*args, **kwargs)
+
+        backend.read_bytes, backend.open_read = counted_read_bytes, counted_open_read
+
+
+def test_load_restores_from_memory_reading_zero_bytes_from_durable(tmp_path: Path) -> None:
+    spec = tiered(str(tmp_path / "durable"))
+    run(spec, 11).close()
+    fresh = Trainee()
+    mgr = fresh.manager(spec)
+    reads = CountedReads(mgr._backend)
+    result = mgr.load()
+    assert (result.step, reads.calls, reads.bytes) == (10, 0, 0)
+    assert result.path == mgr._tiers.memory.display("step_00000010")
+    assert_same_bits(fresh.tensors(), trained(10).tensors())
+    mgr.close()
+
+
+def test_load_takes_the_durable_tier_when_it_holds_a_newer_step(tmp_path: Path,
+                                                               caplog: Any) -> None:
+    spec = tiered(str(tmp_path / "durable"))
+    mgr = run(spec, 9)
+    memory_root = mgr._tiers.memory.root
+    mgr.close()
+    os.remove(f"{memory_root}/step_00000008/manifest.json")  # memory now ends at step 6
+    fresh = Trainee()
+    with caplog.at_level(logging.INFO, logger="statereg"):
+        result = fresh.manager(spec).load()
+    assert result.step == 8 and result.path == f"{tmp_path}/durable/step_00000008"
+    assert "memory tier: step 6 is older than step 8" in caplog.text
+    assert_same_bits(fresh.tensors(), trained(8).tensors())
+
+
+def test_a_damaged_memory_copy_fails_closed_to_the_durable_tier(tmp_path: Path,
+                                                                caplog: Any) -> None:
+    spec = tiered(str(tmp_path / "durable"))
+    mgr = run(spec, 9)
+    memory_root = mgr._tiers.memory.root
+    mgr.close()
+    victim = next(Path(memory_root, "step_00000008", "model").glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    fresh = Trainee()
+    with caplog.at_level(logging.WARNING, logger="statereg"):
+        result = fresh.manager(spec).load()
+    assert result.path == f"{tmp_path}/durable/step_00000008"
+    assert "memory copy shm://run7/" in caplog.text and "unusable" in caplog.text
+    assert_same_bits(fresh.tensors(), trained(8).tensors())
+
+
+def test_a_missing_memory_file_skips_that_step_with_one_line(tmp_path: Path,
+                                                             caplog: Any) -> None:
+    spec = tiered(str(tmp_path / "durable"))
+    mgr = run(spec, 11)
+    memory_root = mgr._tiers.memory.root
+    mgr.close()
+    shutil.rmtree(f"{memory_root}/step_00000010/optimizer")
+    fresh = Trainee()
+    with caplog.at_level(logging.WARNING, logger="statereg"):
+        result = fresh.manager(spec).load()
+    assert result.step == 8 and result.path.startswith("shm://run7/")  # older memory copy
+    assert "step_00000010 skipped: 4 file(s) missing or of the wrong size" in caplog.text
+    assert_same_bits(fresh.tensors(), trained(8).tensors())
+
+
+def test_identity_binds_memory_to_run_world_and_nodes() -> None:
+    spec = statereg.load_spec(tiered("/durable"))
+    one = job_identity(spec, World(), ["node0"])
+    two = job_identity(spec, World(0, 2, layout=WorldLayout(0, 2, {})), ["node0", "node0"])
+    assert one["run_id"] == run_id(spec) == "run7"
+    assert identity_folder(one).startswith("ws1-") and identity_folder(two).startswith("ws2-")
+    assert identity_folder(one) != identity_folder(two)
+    assert identity_folder(one) == identity_folder(job_identity(spec, World(), ["node0"]))
+
+
+def test_another_identity_in_the_same_run_is_never_loaded(tmp_path: Path, caplog: Any) -> None:
+    spec = tiered(str(tmp_path / "durable"))
+    mgr = run(spec, 3)  # memory only: steps 2 (durable every 4)
+    memory_root = Path(mgr._tiers.memory.root)
+    mgr.close()
+    # The same run id, as a job of another world size left it.
+    memory_root.rename(memory_root.with_name("ws2-0123456789abcdef"))
+    with caplog.at_level(logging.WARNING, logger="statereg"):
+        assert Trainee().manager(spec).load() is None
+    assert "holds only checkpoints of other job identities (ws2-0123456789abcdef" in caplog.text
+    assert "which are never loaded" in caplog.text
