@@ -52,6 +52,8 @@ _SMALL_RECORDS = {".format_version", ".storage_alignment", "byteorder"}
 _HEAD_BYTES = 4096
 # Bytes hashed per read when a record's framing is hashed.
 _HASH_BLOCK = 1 << 20
+# A tensor read with a hasher is read and hashed in slices of this size (fits in L2 cache).
+_HASH_SLICE = 1 << 20
 # What reading a damaged or hostile record can raise, from zipfile, pickle or torch.
 RECORD_ERRORS = (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, TypeError,
                  KeyError, IndexError, AttributeError, AssertionError, RuntimeError,
@@ -282,14 +284,18 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
         _hash_range(stream, offset, start, hasher)
     data = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
     stream.seek(start)
-    view = data
-    while view:
-        got = stream.readinto(view)
-        if not got:
-            raise EOFError(f"stream ended {len(view)} bytes before the tensor's end")
-        view = view[got:]
-    if hasher is not None:
-        hasher.update(data)
+    # With a hasher, read in slices and hash each while it is still in the CPU's cache:
+    # hashing the whole tensor afterwards would read it from memory again.
+    step = _HASH_SLICE if hasher is not None else len(data)
+    for at in range(0, len(data), step):
+        view = data[at:at + step]
+        while view:
+            got = stream.readinto(view)
+            if not got:
+                raise EOFError(f"stream ended {len(view)} bytes before the tensor's end")
+            view = view[got:]
+        if hasher is not None:
+            hasher.update(data[at:at + step])
     rest = offset + length - start - len(data)
     if check_descriptor:
         trailer = stream.read(min(_DESCRIPTOR64.size, rest))
