@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +30,18 @@ COMPONENTS = {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}}
 
 
 @pytest.fixture(autouse=True)
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private shared-memory folder and node name for each test."""
-    folder = tmp_path / "shm"
-    folder.mkdir()
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private shared-memory folder (on the real tmpfs where there is one) and node name."""
+    if os.access("/dev/shm", os.W_OK):
+        folder = Path(tempfile.mkdtemp(prefix="statereg-test-", dir="/dev/shm"))
+    else:
+        folder = tmp_path / "shm"
+        folder.mkdir()
     monkeypatch.setenv("STATEREG_SHM_DIR", str(folder))
     monkeypatch.setenv("STATEREG_NODE", "node0")
     monkeypatch.setenv("STATEREG_RUN_ID", "run7")
-    return folder
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def tiered(url: str, memory: dict[str, Any] | None = None,
