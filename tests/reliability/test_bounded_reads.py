@@ -158,3 +158,19 @@ def test_verify_and_cp_read_in_bounded_blocks(tmp_path):
         grown = peak_rss(code) - baseline
         assert grown < size // 4, f"{what}: peak memory grew by {grown >> 20} MiB"
     statereg.verify(str(copy / "step_00000001"))
+
+
+def test_a_damaged_safetensors_header_is_damage_not_a_different_model(tmp_path):
+    spec = {"storage": {"url": str(tmp_path)},
+            "components": {"model": {"kind": "model", "format": "safetensors"}}}
+    url = statereg.CheckpointManager(spec, model=nn.Linear(4, 4)).save(step=1)
+    path = next((Path(url) / "model").glob("*.safetensors"))
+    data = path.read_bytes()
+    at = data.index(b'"shape":[4,4]') + len(b'"shape":[')
+    path.write_bytes(data[:at] + b"5" + data[at + 1:])  # the header now says [5,4]
+    model = nn.Linear(4, 4)
+    before = model.weight.detach().clone()
+    with pytest.raises(statereg.CorruptCheckpointError,
+                       match=re.escape(f"{path}: checksum")):
+        statereg.CheckpointManager(spec, model=model).load(url)
+    assert torch.equal(model.weight, before)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from statereg.backends.checksum import missing, verify_stream
 from statereg.engine.layouts.base import (
     Captured,
     Prepared,
@@ -17,6 +18,7 @@ from statereg.engine.layouts.base import (
     require_object,
 )
 from statereg.engine.plan import LoadTask, Task
+from statereg.errors import CheckpointMismatchError
 from statereg.formats.files import open_model_files, write_model_files
 from statereg.schemas.manifest import ComponentRecord
 
@@ -35,11 +37,33 @@ class ConsolidatedLayout:
     def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
                 ctx: ReadContext) -> Prepared:
         adapter = require_object(task, adapter)
-        source = open_model_files(ctx.backend, f"{ctx.name}/{task.directory}", record.format)
-        targets = adapter.load_targets(source.metas, record.meta, ctx.strict, None)
+        try:
+            source = open_model_files(ctx.backend, f"{ctx.name}/{task.directory}",
+                                      record.format)
+            targets = adapter.load_targets(source.metas, record.meta, ctx.strict, None)
+        except CheckpointMismatchError:
+            # safetensors headers are read on their own, before the files are checked whole:
+            # a damaged header must be reported as damage, not as a model that differs.
+            _verify_files(record, ctx)
+            raise
 
         def apply() -> None:
             source.load_into(targets)
             adapter.apply(targets, record.meta, None)
 
         return Prepared(apply, keys=key_report(adapter, source.metas, record.meta, targets))
+
+
+def _verify_files(record: ComponentRecord, ctx: ReadContext) -> None:
+    """Check the component's files whole against the manifest (when the load verifies)."""
+    for relative in record.files if ctx.records is not None else ():
+        path = f"{ctx.name}/{relative}"
+        recorded = ctx.records.get(path) if ctx.records is not None else None
+        if recorded is None:
+            continue
+        where = ctx.backend.display(path)
+        try:
+            with ctx.backend.open_read(path) as stream:
+                verify_stream(where, recorded, stream)
+        except FileNotFoundError:
+            raise missing(where, recorded) from None
