@@ -108,7 +108,8 @@ def test_dir_lists_the_lazy_public_names() -> None:
 def test_schema_prints_the_declaration_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
-    assert set(schema["properties"]) == {"version", "storage", "components", "save", "profiles"}
+    assert set(schema["properties"]) == {"version", "storage", "components", "save", "profiles",
+                                         "tiers", "restore"}
 
 
 def test_plan_shows_each_component_writer_and_format(
