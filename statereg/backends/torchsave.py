@@ -42,6 +42,9 @@ _STORAGE_DTYPES = {
     "LongStorage": torch.int64, "IntStorage": torch.int32, "ShortStorage": torch.int16,
     "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
 }
+# Every typed storage class torch.save names, for bounding what a record declares.
+_SCANNED_STORAGE_DTYPES = {**_STORAGE_DTYPES, "ComplexFloatStorage": torch.complex64,
+                           "ComplexDoubleStorage": torch.complex128}
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 _DESCRIPTOR = struct.Struct("<4sIII")  # signature, crc32, compressed and plain size
@@ -339,10 +342,10 @@ class _StorageScan(pickle.Unpickler):
         self.nbytes = 0
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if (module, name) == ("torch", "UntypedStorage"):
-            return torch.uint8
+        if module == "torch" and name in _SCANNED_STORAGE_DTYPES:
+            return _SCANNED_STORAGE_DTYPES[name]
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
+            return torch.uint8  # dtypes without a typed storage class (uint16, float8, ...)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         return _Placeholder

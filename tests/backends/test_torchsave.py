@@ -159,3 +159,16 @@ def _central_headers(data: bytes) -> list[int]:
         found.append(at)
         at = data.find(b"PK\x01\x02", at + 4)
     return found
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.uint16,
+                                   torch.float8_e4m3fn, torch.bool])
+def test_bounded_load_reads_every_storage_class_torch_save_names(dtype: torch.dtype) -> None:
+    """Complex dtypes have their own storage classes, and dtypes without one (uint16, float8)
+    are saved as torch.storage.UntypedStorage: the size bound must know them all."""
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3).to(dtype)
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    loaded = torchsave.load(buffer, 0, len(buffer.getvalue()), "record")
+    assert loaded.dtype == dtype
+    assert torch.equal(loaded.view(torch.uint8), tensor.view(torch.uint8))
