@@ -20,11 +20,12 @@ from statereg.engine.checkpoints import (
     step_of,
 )
 from statereg.engine.inspect import split_checkpoint_url
-from statereg.engine.load import LoadResult, VerifyMode, load_checkpoint, select_components
+from statereg.engine.load import LoadResult, load_checkpoint, select_components
 from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
 from statereg.engine.retention import best_checkpoints
 from statereg.engine.saver import SaveHandle, Saver
 from statereg.engine.tiers import TierEngine
+from statereg.engine.verify import VerifyMode
 from statereg.engine.world import World
 from statereg.errors import (
     CheckpointDeletedError,

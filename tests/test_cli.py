@@ -159,6 +159,21 @@ def test_plan_runs_without_torch(tmp_path: Path) -> None:
     assert "model" in done.stdout
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "ls"])
+def test_inspect_verify_and_ls_run_without_torch(committed: Path, command: str) -> None:
+    """They read manifests and check bytes: importing torch (seconds) would be most of
+    their time on a small checkpoint."""
+    target = committed if command == "ls" else committed / "step_00000010"
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from statereg.cli import main\n"
+        f"sys.exit(main([{command!r}, {str(target)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "step_00000010" in done.stdout or "step:        10" in done.stdout, done.stdout
+
+
 def test_invalid_yaml_is_one_clear_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend
 from statereg.engine.checkpoints import Committed, read_manifest_at
-from statereg.engine.load import verify_files
 from statereg.engine.report import format_bytes, format_table
+from statereg.engine.verify import verify_files
 from statereg.errors import CheckpointNotFoundError
 from statereg.schemas.manifest import Manifest
 

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 
@@ -20,14 +20,12 @@ from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import (
     VerifiedReads,
     check_file,
-    check_size,
-    missing,
-    verify_stream,
 )
 from statereg.engine.checkpoints import Committed
 from statereg.engine.layouts import LAYOUTS, KeyReport, ReadContext
 from statereg.engine.plan import Saved, compile_load
 from statereg.engine.report import Progress, describe_rate
+from statereg.engine.verify import VerifyMode, verify_files
 from statereg.engine.world import World, attempt
 from statereg.errors import (
     CheckpointDeletedError,
@@ -39,7 +37,6 @@ from statereg.schemas.spec import RegistrySpec
 
 logger = logging.getLogger("statereg")
 
-VerifyMode = Literal["off", "fast", "full"]
 
 
 @dataclass(frozen=True)
@@ -73,40 +70,6 @@ def select_components(declared: Iterable[str], committed: Committed, include: li
             f"{', '.join(committed.manifest.components)}); pass exclude={absent!r} to load the rest"
         )
     return chosen
-
-
-def verify_files(backend: StorageBackend, name: str, files: list[FileRecord],
-                 mode: VerifyMode) -> None:
-    """fast: every file exists with its recorded size; full: also every checksum, reading
-    each file in bounded blocks (never more than one block past its recorded size).
-
-    Paths are relative to checkpoint `name`, or to the root when `name` is empty.
-    """
-    if mode == "off":
-        return
-    # One listing of the checkpoint gives every size: on an object store, one request per
-    # thousand files instead of one HEAD per file.
-    listed = {f.path: f.size for f in backend.walk(name)} if name and mode == "fast" else None
-    for record in files:
-        path = f"{name}/{record.path}" if name else record.path
-        where = backend.display(path)
-        if mode == "full":
-            try:
-                with backend.open_read(path) as stream:
-                    verify_stream(where, record, stream)
-            except FileNotFoundError:
-                raise missing(where, record) from None
-            continue
-        if listed is not None:
-            size = listed.get(path)
-        else:
-            try:
-                size = backend.size(path)
-            except FileNotFoundError:
-                size = None
-        if size is None:
-            raise missing(where, record)
-        check_size(where, record, size)
 
 
 def check_checksum(where: str, record: FileRecord, data: bytes) -> None:

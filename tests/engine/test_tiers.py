@@ -20,8 +20,8 @@ import statereg
 from statereg.backends.registry import open_backend
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.engine.checkpoints import list_committed
-from statereg.engine.load import verify_files
 from statereg.engine.tiers import identity_folder, job_identity, run_id
+from statereg.engine.verify import verify_files
 from statereg.engine.world import World, WorldLayout
 from statereg.errors import SpecError, StorageError
 from tests.conftest import make_store

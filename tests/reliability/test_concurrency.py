@@ -21,8 +21,8 @@ from statereg.backends.registry import open_backend
 from statereg.engine import claims as claims_module
 from statereg.engine.checkpoints import read_latest, read_manifest_at
 from statereg.engine.claims import claim_file
-from statereg.engine.load import verify_files
 from statereg.engine.publish import commit as publish_commit
+from statereg.engine.verify import verify_files
 
 
 def run_savers(store, plans: list[tuple[list[int], int]]) -> list[tuple]:

@@ -27,7 +27,7 @@ from statereg.backends.local import LocalBackend
 from statereg.backends.registry import open_backend
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.engine.checkpoints import list_committed
-from statereg.engine.load import verify_files
+from statereg.engine.verify import verify_files
 
 STEPS = 12
 # Where the trainer dies: (tier, checkpoint, what), see `arm`.
