@@ -334,8 +334,8 @@ class MemoryTierSpec(_Declared):
         default="shm://{run_id}",
         min_length=1,
         description="Where memory checkpoints live: shm://NAME is a folder under /dev/shm (or "
-        "$STATEREG_SHM_DIR), one per node; {run_id} is $STATEREG_RUN_ID, else "
-        "$TORCHELASTIC_RUN_ID, else a name derived from storage.url. The job's identity "
+        "$STATEREG_SHM_DIR), one per node; {run_id} is $STATEREG_RUN_ID, else a name "
+        "derived from storage.url. The job's identity "
         "(world size, each rank's node, its groups) picks a sub-folder, so another job never "
         "adopts these files.",
     )
