@@ -6,6 +6,7 @@ registered in `statereg.backends.registry`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import io
@@ -24,7 +25,13 @@ import fsspec
 import fsspec.asyn
 import fsspec.spec
 
-from statereg.backends.checksum import HashingWriter, WrittenFile, checksum_of, new_hasher
+from statereg.backends.checksum import (
+    VERIFY_BLOCK,
+    HashingWriter,
+    WrittenFile,
+    checksum_of,
+    new_hasher,
+)
 from statereg.errors import SpecError, StorageError
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -140,6 +147,22 @@ def info_mtime(info: dict[str, Any]) -> float | None:
 
 # Files up to this size are read with one request when their size is known.
 _ONE_REQUEST = 32 * 1024 * 1024
+
+
+class _BlockStream:
+    """read() and seek() of a backend's file, each failure a StorageError naming the file
+    (the caller's own errors pass through untouched: only the storage calls are wrapped)."""
+
+    def __init__(self, backend: StorageBackend, path: str, raw: Any) -> None:
+        self._backend, self._path, self._raw = backend, path, raw
+
+    def read(self, size: int = -1) -> bytes:
+        with self._backend._storage_op("read", self._path):
+            return self._raw.read(size)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        with self._backend._storage_op("read", self._path):
+            return self._raw.seek(offset, whence)
 
 
 class StorageBackend:
@@ -377,6 +400,20 @@ class StorageBackend:
             yield io.BytesIO(self.read_bytes(path, limit=size))
         else:
             yield io.BytesIO(self.read_bytes(path))
+
+    @contextmanager
+    def open_blocks(self, path: str) -> Iterator[_BlockStream]:
+        """A stream that fetches the file a block at a time (ranged reads on an object
+        store), for whole-file checks that must not hold the file in memory: verify, cp.
+        FileNotFoundError if the file is missing; other failures are StorageErrors."""
+        with self._storage_op("open", path):
+            raw = self.fs.open(self.full_path(path), "rb", block_size=VERIFY_BLOCK,
+                               cache_type="none")
+        try:
+            yield _BlockStream(self, path, raw)
+        finally:
+            with contextlib.suppress(Exception):
+                raw.close()
 
     def exists(self, path: str) -> bool:
         with self._storage_op("check", path):

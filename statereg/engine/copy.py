@@ -77,7 +77,7 @@ def _copy_checked(src: StorageBackend, name: str, record: FileRecord, dst: Stora
     where = src.display(path)
     writer = dst.open_write(path, recorder.add)
     try:
-        with src.open_read(path) as stream:
+        with src.open_blocks(path) as stream:
             verify_stream(where, record, stream, writer.write)
     except FileNotFoundError:
         writer.abort()

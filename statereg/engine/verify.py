@@ -33,7 +33,7 @@ def verify_files(backend: StorageBackend, name: str, files: list[FileRecord],
         where = backend.display(path)
         if mode == "full":
             try:
-                with backend.open_read(path) as stream:
+                with backend.open_blocks(path) as stream:
                     verify_stream(where, record, stream)
             except FileNotFoundError:
                 raise missing(where, record) from None

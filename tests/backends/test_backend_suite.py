@@ -215,17 +215,17 @@ def test_an_interrupted_cp_leaves_no_manifest_and_a_retry_succeeds(store, tmp_pa
     src = statereg.engine.inspect.open_checkpoint(url, store.options)[0]
     dst_root = tmp_path / "copy"
     dst = statereg.backends.registry.open_backend(str(dst_root))
-    real_write = type(dst).write_bytes
+    real_open = type(dst).open_write  # cp streams every file through open_write
     calls: list[str] = []
 
-    def dies_on_third_file(self: Any, path: str, data: bytes) -> Any:
+    def dies_on_third_file(self: Any, path: str, *args: Any) -> Any:
         calls.append(path)
         if len(calls) == 3:
             raise SimulatedCrash
-        return real_write(self, path, data)
+        return real_open(self, path, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(type(dst), "write_bytes", dies_on_third_file)
+        patch.setattr(type(dst), "open_write", dies_on_third_file)
         with pytest.raises(SimulatedCrash):
             statereg.engine.copy.copy_checkpoint(src, "step_00000006", dst)
     assert not list(dst_root.rglob("manifest.json"))

@@ -174,3 +174,19 @@ def test_a_damaged_safetensors_header_is_damage_not_a_different_model(tmp_path):
                        match=re.escape(f"{path}: checksum")):
         statereg.CheckpointManager(spec, model=model).load(url)
     assert torch.equal(model.weight, before)
+
+
+@pytest.mark.parametrize("store", ["s3"], indirect=True)
+def test_verify_on_an_object_store_fetches_a_file_in_bounded_blocks(store):
+    """One whole-object GET per file is what a load wants; verify and cp must not hold a
+    file in memory there either: they fetch it a block at a time (ranged GETs)."""
+    size = 128 << 20
+    spec = {"storage": {"url": store.url, "options": store.options, "io_threads": 1},
+            "components": {"model": {"kind": "model"}}}
+    torch.manual_seed(0)
+    url = statereg.CheckpointManager(spec, model=nn.Linear(4096, 8192, bias=False)).save(
+        step=1)
+    options = dict(store.options)
+    baseline = peak_rss(f"statereg.read_manifest({url!r}, {options!r})")
+    grown = peak_rss(f"statereg.verify({url!r}, {options!r})") - baseline
+    assert grown < size // 4, f"verify: peak memory grew by {grown >> 20} MiB"
