@@ -284,11 +284,11 @@ class LocalBackend(StorageBackend):
         with self._storage_op("read", path), open(fd, "rb") as f:
             return f.read() if limit is None else f.read(limit)
 
-    @contextmanager
     def open_blocks(self, path: str) -> Any:
         """A file on disk streams as it is read: the contained open_read is already bounded."""
         return self.open_read(path)
 
+    @contextmanager
     def open_read(self, path: str, size: int | None = None) -> Iterator[IO[bytes]]:
         fd = self._open_contained("open", path)
         with self._storage_op("open", path):
