@@ -140,35 +140,48 @@ def test_latest_never_names_an_incomplete_checkpoint_while_two_processes_save(tm
     assert seen, "the watcher never saw a `latest`"
 
 
+class StalledSaver:
+    """Saver A in a thread named saver-a, saving step 3 of `decl`, held just before it
+    commits until `finish()`; its outcome is the StateregError it raised, or None."""
+
+    def __init__(self, decl: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+        stalled, self._resume = threading.Event(), threading.Event()
+        commit = statereg.engine.save.commit
+
+        def stalling_commit(*args: Any) -> None:
+            if threading.current_thread().name == "saver-a":
+                stalled.set()
+                self._resume.wait(30)
+            commit(*args)
+
+        monkeypatch.setattr(statereg.engine.save, "commit", stalling_commit)
+        self._outcome: queue.Queue = queue.Queue()
+
+        def saver_a() -> None:
+            try:
+                statereg.CheckpointManager(decl, **TinyState.trained(1).objects()).save(step=3)
+            except statereg.StateregError as exc:
+                self._outcome.put(exc)
+            else:
+                self._outcome.put(None)
+
+        self._thread = threading.Thread(target=saver_a, name="saver-a")
+        self._thread.start()
+        assert stalled.wait(30)
+
+    def finish(self) -> statereg.StateregError | None:
+        self._resume.set()
+        self._thread.join(30)
+        return self._outcome.get(timeout=5)
+
+
 def test_a_saver_taken_over_while_it_looked_dead_does_not_commit(tmp_path, monkeypatch):
     """Saver A stalls after writing its files; its claim looks stale (another host, silent
     past its lease); saver B takes the step over and commits. A then fails, naming it."""
     url = str(tmp_path / "root")
     decl = declaration(url, {}, SINGLE_COMPONENTS)
     backend = open_backend(url)
-    stalled, resume = threading.Event(), threading.Event()
-    commit = statereg.engine.save.commit
-
-    def stalling_commit(*args: Any) -> None:
-        if threading.current_thread().name == "saver-a":
-            stalled.set()
-            resume.wait(30)
-        commit(*args)
-
-    monkeypatch.setattr(statereg.engine.save, "commit", stalling_commit)
-    outcome: queue.Queue = queue.Queue()
-
-    def saver_a() -> None:
-        try:
-            statereg.CheckpointManager(decl, **TinyState.trained(1).objects()).save(step=3)
-        except statereg.StateregError as exc:
-            outcome.put(exc)
-        else:
-            outcome.put(None)
-
-    thread = threading.Thread(target=saver_a, name="saver-a")
-    thread.start()
-    assert stalled.wait(30)
+    saver_a = StalledSaver(decl, monkeypatch)
     # A's claim, as another host would see it after A went silent for ten minutes.
     numbers = claims_module.read_claims(backend, "step_00000003")
     raw = claims_module.read_claim(backend, "step_00000003", numbers[-1])
@@ -176,9 +189,7 @@ def test_a_saver_taken_over_while_it_looked_dead_does_not_commit(tmp_path, monke
     backend.write_bytes(f"step_00000003/{claim_file(numbers[-1])}", stale.to_json())
 
     statereg.CheckpointManager(decl, **TinyState.trained(2).objects()).save(step=3)
-    resume.set()
-    thread.join(30)
-    error = outcome.get(timeout=5)
+    error = saver_a.finish()
 
     assert isinstance(error, statereg.CheckpointInProgressError)
     assert "was taken over" in str(error) and "nothing was committed by this save" in str(error)
@@ -250,35 +261,12 @@ def test_a_saver_whose_claim_was_written_over_does_not_commit(tmp_path, monkeypa
     url = str(tmp_path / "root")
     decl = declaration(url, {}, SINGLE_COMPONENTS)
     backend = open_backend(url)
-    stalled, resume = threading.Event(), threading.Event()
-    commit = statereg.engine.save.commit
-
-    def stalling_commit(*args: Any) -> None:
-        stalled.set()
-        resume.wait(30)
-        commit(*args)
-
-    monkeypatch.setattr(statereg.engine.save, "commit", stalling_commit)
-    outcome: queue.Queue = queue.Queue()
-
-    def saver() -> None:
-        try:
-            statereg.CheckpointManager(decl, **TinyState.trained(1).objects()).save(step=3)
-        except statereg.StateregError as exc:
-            outcome.put(exc)
-        else:
-            outcome.put(None)
-
-    thread = threading.Thread(target=saver)
-    thread.start()
-    assert stalled.wait(30)
+    saver_a = StalledSaver(decl, monkeypatch)
     numbers = claims_module.read_claims(backend, "step_00000003")
     mine = claims_module.read_claim(backend, "step_00000003", numbers[-1])
     other = claims_module.ClaimInfo(**{**mine.__dict__, "token": "0" * 32, "pid": 1})
     backend.write_bytes(f"step_00000003/{claim_file(numbers[-1])}", other.to_json())
-    resume.set()
-    thread.join(30)
-    error = outcome.get(timeout=5)
+    error = saver_a.finish()
 
     assert isinstance(error, statereg.CheckpointInProgressError), error
     assert "nothing was committed by this save" in str(error)
