@@ -289,12 +289,13 @@ class TierEngine:
         say in one line why memory is not used."""
         if choice is None:
             held = set().union(*map(set, everyone))
+            others = [] if held else self._other_identities()
             if held:
                 missing = {r for r, steps in enumerate(everyone) if max(held) not in steps}
                 why = f"step {max(held)} is not complete on rank(s) {sorted(missing)}"
-            elif self._other_identities():
+            elif others:
                 why = (f"it holds only checkpoints of other job identities "
-                       f"({', '.join(self._other_identities())}; this job is "
+                       f"({', '.join(others)}; this job is "
                        f"{identity_folder(self.identity)}: world size {self.world.size}, "
                        f"nodes {sorted(set(self.identity['nodes']))}), which are never loaded")
             else:
