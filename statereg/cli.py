@@ -80,12 +80,35 @@ def cmd_plan(args: argparse.Namespace) -> None:
     spec = load_spec(args.file)
     sizes = _model_bytes(args.model, spec) if args.model else None
     world = WorldLayout(0, args.world_size, _groups(spec, args.world_size, args.group))
-    plans = compile_job(spec, world, sizes=sizes)
+    job = compile_job(spec, world, sizes=sizes)
+    plans = job
     if args.rank is not None:
         if not 0 <= args.rank < args.world_size:
             raise SpecError(f"--rank {args.rank}: give a rank from 0 to {args.world_size - 1}")
-        plans = [plans[args.rank]]
+        plans = [job[args.rank]]
+    tiers = _tiers_block(spec, job, args) if spec.tiers is not None else None
     print(render_job(plans))
+    if tiers is not None:
+        print()
+        print(tiers)
+
+
+def _tiers_block(spec: Any, job: list[Any], args: argparse.Namespace) -> str:
+    """The tiers' cadence and retention and the memory math (docs/tiers.md); the math covers
+    every rank of `job`, whatever --rank shows."""
+    from statereg.engine.tier_report import memory_math, render_tiers
+    from statereg.schemas.spec import parse_size
+
+    if not 1 <= args.nodes <= args.world_size or args.world_size % args.nodes:
+        raise SpecError(f"--nodes {args.nodes}: give a divisor of --world-size "
+                        f"{args.world_size} (ranks are spread evenly over the nodes)")
+    state = None
+    if args.state_bytes is not None:
+        try:
+            state = parse_size(args.state_bytes)
+        except ValueError as exc:
+            raise SpecError(f"--state-bytes: {exc}") from None
+    return render_tiers(spec, memory_math(spec, job, args.nodes, state), args.nodes)
 
 
 def _groups(spec: Any, world_size: int, given: list[str]) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -128,6 +151,12 @@ def cmd_ls(args: argparse.Namespace) -> None:
     from statereg.engine.report import format_bytes, format_table
 
     backend = open_backend(_root(args), _options(args))
+    memory_url = _memory_url(args)
+    if memory_url is not None:
+        from statereg.engine.tier_report import memory_roots, render_locations
+
+        print(render_locations(backend, memory_roots(memory_url), memory_url))
+        return
     committed = list_committed(backend)
     if not committed:
         print(f"no committed checkpoints in {backend.url}")
@@ -141,6 +170,22 @@ def cmd_ls(args: argparse.Namespace) -> None:
         rows.append((c.name + mark, str(m.step), tokens, format_bytes(m.total_bytes),
                      m.created_at, json.dumps(m.extra)))
     print("\n".join(format_table(rows)))
+
+
+def _memory_url(args: argparse.Namespace) -> str | None:
+    """The memory root `ls` shows beside ROOT: --memory, else the run folder of --spec's
+    tiers; None without either (ls lists ROOT alone, as before tiers)."""
+    if args.memory:
+        if not args.memory.startswith("shm://"):
+            raise SpecError(f"--memory {args.memory!r}: give a shm://NAME URL, e.g. "
+                            "shm://run7 (the run's folder) or shm://run7/ws1-<digest>")
+        return str(args.memory)
+    if not args.spec:
+        return None
+    from statereg.declaration import load_spec
+    from statereg.engine.tier_report import memory_url_for
+
+    return memory_url_for(load_spec(args.spec), None)
 
 
 def _root(args: argparse.Namespace) -> str:
@@ -317,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the copies of a per_group process group (default: one over every rank)")
     p.add_argument("--model", metavar="MODULE:CALLABLE",
                    help="build the model (on the meta device, no memory) to show bytes per rank")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="nodes the ranks are spread over, for the tiers' memory per node "
+                   "(default 1)")
+    p.add_argument("--state-bytes", metavar="SIZE",
+                   help="one checkpoint of the whole job's state, e.g. 30GB, for the tiers' "
+                   "memory math (default: what --model measures)")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("schema", help="print the JSON Schema of statereg.yaml or of manifest.json")
@@ -329,9 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--spec", help="take storage options from this statereg.yaml")
         p.add_argument("--options", help="storage options as a JSON object")
 
-    p = sub.add_parser("ls", help="list committed checkpoints under a root")
+    p = sub.add_parser("ls", help="list committed checkpoints under a root (and, with tiers, "
+                       "where each step lives)")
     p.add_argument("root", nargs="?",
                    help="checkpoint root: path or URL (default: storage.url of --spec)")
+    p.add_argument("--memory", metavar="SHM_URL",
+                   help="also show this memory tier root (default: the tiers of --spec)")
     storage_args(p)
     p.set_defaults(run=cmd_ls)
 

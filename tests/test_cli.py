@@ -411,3 +411,143 @@ def test_cp_into_a_root_that_has_the_checkpoint_says_cp_never_overwrites(
     assert f"{other / 'step_00000010'} already exists: cp never overwrites a checkpoint" in err
     assert "save a different step" not in err
     assert (other / "step_00000010" / "manifest.json").read_bytes() == before
+
+
+_TIERS_YAML = (
+    "storage: {{url: {durable}}}\n"
+    "components: {{model: {{kind: model}}, optimizer: {{kind: optimizer}}, rng: {{kind: rng}}}}\n"
+    "tiers:\n"
+    "  memory: {{every: 5, keep_last: 2, drain: skip}}\n"
+    "  durable: {{every: 10, keep_last: 3, keep_every: 100}}\n"
+)
+
+
+def test_plan_with_tiers_shows_each_tier_and_the_memory_math(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STATEREG_SHM_DIR", str(tmp_path))
+    monkeypatch.setenv("STATEREG_RUN_ID", "run7")
+    yaml_file = tmp_path / "statereg.yaml"
+    yaml_file.write_text(_TIERS_YAML.format(durable="s3://bucket/run7"))
+    assert main(["plan", str(yaml_file), "--world-size", "4", "--nodes", "2",
+                 "--state-bytes", "1GB"]) == 0
+    out = capsys.readouterr().out
+    assert ("  memory:   shm://{run_id} = shm://run7  every 5 steps, keep_last 2, drain: skip"
+            in out)
+    assert "  durable:  s3://bucket/run7  every 10 steps, keep_last 3, keep_every 100" in out
+    # 1 GB over 2 nodes: 500 MB each, plus 16 MiB (16.78 MB) of small files; 3 copies.
+    assert "memory per node (2 nodes; the fullest):" in out
+    assert "  one checkpoint:  516.78 MB = 500.00 MB (--state-bytes) + 16.78 MB" in out
+    assert "  memory tier:     (keep_last 2 + 1) x 516.78 MB = 1.55 GB" in out
+    assert "  peer replica:    not declared" in out
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    tmpfs = next(line for line in out.splitlines() if line.startswith("  tmpfs here:"))
+    assert tmpfs.startswith(f"  tmpfs here:      {tmp_path} has ") and tmpfs.endswith(": fits")
+    assert float(tmpfs.split(" has ")[1].split()[0]) == pytest.approx(free / 1e9, rel=0.05)
+
+    assert main(["plan", str(yaml_file), "--state-bytes", "1PB"]) == 2
+    assert "--state-bytes: size '1PB' is not a size" in capsys.readouterr().err
+    assert main(["plan", str(yaml_file), "--state-bytes", "900000GB"]) == 0
+    assert "does NOT fit (short by " in capsys.readouterr().out
+    assert main(["plan", str(yaml_file), "--world-size", "3", "--nodes", "2"]) == 2
+    assert "--nodes 2: give a divisor of --world-size 3" in capsys.readouterr().err
+
+
+def test_plan_with_tiers_and_a_model_counts_what_it_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STATEREG_SHM_DIR", str(tmp_path / "no-such-tmpfs"))
+    (tmp_path / "tier_models.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Linear(1000, 1000)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yaml_file = tmp_path / "statereg.yaml"
+    yaml_file.write_text(_TIERS_YAML.format(durable="./c"))
+    assert main(["plan", str(yaml_file), "--world-size", "2", "--rank", "1",
+                 "--model", "tier_models:build"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 of 2" not in out  # --rank shows one plan; the math still counts every rank
+    # (1000*1000 + 1000) fp32 = 4.00 MB over both ranks, plus 16 MiB of small files.
+    assert "  one checkpoint:  20.78 MB = 4.00 MB (measured: model) + 16.78 MB" in out
+    assert "not counted: optimizer (not measured; --state-bytes gives the whole state)" in out
+    assert "  memory tier:     (keep_last 2 + 1) x 20.78 MB = 62.34 MB" in out
+    assert f"{tmp_path / 'no-such-tmpfs'} does not exist on this machine" in out
+    assert main(["plan", str(yaml_file)]) == 0
+    assert "one checkpoint:  not measured: give --model" in capsys.readouterr().out
+
+
+def test_the_cli_run_id_is_the_tier_engine_run_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tier_report repeats engine/tiers.py's run id (which imports torch): they must agree,
+    or `statereg ls` would look in another run's memory folder."""
+    from statereg.engine import tier_report, tiers
+
+    spec = statereg.load_spec(_spec(Path("/tmp/some-run")) | {"tiers": {}})
+    monkeypatch.delenv("STATEREG_RUN_ID", raising=False)
+    assert tier_report.run_id(spec) == tiers.run_id(spec)
+    assert tier_report.run_id(spec).startswith("run-")
+    monkeypatch.setenv("STATEREG_RUN_ID", "job 7/a")
+    assert tier_report.run_id(spec) == tiers.run_id(spec) == "job_7_a"
+    assert tier_report.SMALL_FILES_BYTES == tiers._SMALL_FILES
+
+
+def test_ls_with_tiers_shows_where_each_step_lives_without_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STATEREG_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setenv("STATEREG_RUN_ID", "lsrun")
+    durable = tmp_path / "durable"
+    yaml_file = tmp_path / "statereg.yaml"
+    yaml_file.write_text(_TIERS_YAML.format(durable=durable).replace("skip", "wait"))
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with statereg.CheckpointManager(statereg.load_spec(yaml_file), model=model,
+                                    optimizer=optimizer) as mgr:
+        for step in range(1, 26):
+            mgr.save(step)  # memory keeps 20, 25; durable has 10, 20
+    memory = next((tmp_path / "shm" / "statereg").glob("*/lsrun/ws1-*"))
+    (memory / "step_00000030").mkdir()  # a memory save that was killed before its manifest
+    (durable / "step_00000040").mkdir()  # a drain that was killed before its manifest
+    victim = next((memory / "step_00000025" / "model").glob("*.distcp"))
+    victim.write_bytes(victim.read_bytes()[:-1])  # one byte short: restore would skip it
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from statereg.cli import main\n"
+        f"sys.exit(main(['ls', '--spec', {str(yaml_file)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"memory (this node): shm://lsrun/{memory.name} ({memory})"
+    assert lines[1] == f"durable:            {durable}"
+    rows = {line.split()[0]: line.split()[1:3] for line in lines[4:]}
+    assert lines[3].split() == ["step", "memory", "durable", "size"]
+    assert rows == {"10": ["absent", "committed"], "20": ["committed", "committed"],
+                    "25": ["damaged", "absent"], "30": ["incomplete", "absent"],
+                    "40": ["absent", "incomplete"]}
+
+    assert main(["ls", str(durable), "--memory", "shm://lsrun"]) == 0
+    assert capsys.readouterr().out.splitlines()[4:] == lines[4:]
+    assert main(["ls", str(durable), "--memory", str(memory)]) == 2
+    assert f"--memory {str(memory)!r}: give a shm://NAME URL" in capsys.readouterr().err
+    assert main(["ls", str(durable)]) == 0  # no tiers named: the listing of before tiers
+    assert "step_00000020 (latest)" in capsys.readouterr().out
+
+
+def test_plan_counts_the_peer_replica_when_one_is_declared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STATEREG_SHM_DIR", str(tmp_path))
+    yaml_file = tmp_path / "statereg.yaml"
+    yaml_file.write_text(_TIERS_YAML.format(durable="./c").replace(
+        "drain: skip", "drain: skip, replicate: {to: next_node}"))
+    assert main(["plan", str(yaml_file), "--world-size", "4", "--nodes", "2",
+                 "--state-bytes", "1GB"]) == 0
+    out = capsys.readouterr().out
+    # Each node holds its own 3 copies and 3 of its peer's: 2 x 1.55 GB.
+    assert "  memory tier:     (keep_last 2 + 1) x 516.78 MB = 1.55 GB" in out
+    assert "  peer replica:    (keep_last 2 + 1) x 516.78 MB = 1.55 GB (to: next_node)" in out
+    assert "  total per node:  3.10 GB" in out
+    assert main(["plan", str(yaml_file), "--state-bytes", "1GB"]) == 0
+    assert "peer replica:    to: next_node (one node: no peer to hold it; give --nodes)" in \
+        capsys.readouterr().out
