@@ -5,13 +5,18 @@ resume from the nearest complete copy (docs/tiers.md).
                -> memory retention (keep_last, never the checkpoint a drain is reading)
                -> durable due? rank 0 drains it on a thread: copy_checkpoint(memory -> storage.url),
                                which commits manifest last, then durable retention
-    load()     -> nearest(): the newest step complete in memory on every rank, unless
-                  storage.url names a newer committed step (read only then)
+               -> several nodes: the manifest goes to every node's folder, each node's
+                  leader applies retention to its folder, and with `replicate` copies its
+                  previous node's files into its own (a background thread, joined at the
+                  next memory save)
+    load()     -> nearest(): the newest step whose files the nodes' folders hold between them,
+                  unless storage.url names a newer committed step (read only then); a rank
+                  reads a file its node lacks from the peer node that holds it (peers.py)
 
-The memory root is `shm://<run_id>/<identity>`: the identity folder names the job (world
-size, each rank's node, its groups, storage.url), so a job never adopts another job's files.
-Every rank of a job must share one memory folder (one node); a job spread over several nodes
-is refused at construction (the peer replica of issue 16 is not built yet).
+The memory root is `shm://<run_id>/<identity>` on each node: the identity folder names the
+job (world size, which ranks share a node, its groups, storage.url), so a job never adopts
+another job's files. A node replaced by a new host keeps its place in the topology, so its
+ranks restore from the peer's replica.
 """
 
 from __future__ import annotations
@@ -21,14 +26,18 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from statereg.backends.base import StorageBackend
+from statereg.backends.peers import NodeMemoryBackend, PeerServer, open_peer
 from statereg.backends.registry import open_backend
 from statereg.backends.shm import SharedMemoryBackend, node_name
 from statereg.engine.checkpoints import (
+    MANIFEST_SUM_NAME,
     Committed,
     checkpoint_name,
     list_committed,
@@ -44,9 +53,9 @@ from statereg.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ManifestError,
-    SpecError,
     StateregError,
 )
+from statereg.schemas.manifest import MANIFEST_NAME, parse_manifest
 from statereg.schemas.spec import RegistrySpec, SaveSpec
 from statereg.state.protocols import TensorState
 
@@ -77,10 +86,37 @@ def run_id(spec: RegistrySpec) -> str:
     return "run-" + hashlib.sha256(spec.storage.url.encode()).hexdigest()[:12]
 
 
-def job_identity(spec: RegistrySpec, world: World, nodes: list[str]) -> dict[str, Any]:
-    """What binds a memory folder to one job: its run, world size, each rank's node, its
-    named groups, and its durable root. Any difference is another job."""
-    return {"run_id": run_id(spec), "world_size": world.size, "nodes": nodes,
+@dataclass(frozen=True)
+class Nodes:
+    """Which node each rank runs on: nodes are numbered in the order of their first rank,
+    so a replaced host (another name, the same ranks) keeps its number."""
+
+    of_rank: tuple[int, ...]
+
+    @classmethod
+    def from_names(cls, names: list[str]) -> Nodes:
+        numbers: dict[str, int] = {}
+        return cls(tuple(numbers.setdefault(n, len(numbers)) for n in names))
+
+    @property
+    def count(self) -> int:
+        return len(set(self.of_rank))
+
+    def ranks(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.of_rank) if n == node]
+
+    def leader(self, node: int) -> int:
+        """The node's first rank: it serves, replicates and applies retention there."""
+        return self.of_rank.index(node)
+
+    def previous(self, node: int) -> int:
+        return (node - 1) % self.count
+
+
+def job_identity(spec: RegistrySpec, world: World, nodes: Nodes) -> dict[str, Any]:
+    """What binds a memory folder to one job: its run, world size, which ranks share a node,
+    its named groups, and its durable root. Any difference is another job."""
+    return {"run_id": run_id(spec), "world_size": world.size, "nodes": list(nodes.of_rank),
             "groups": {k: [list(c) for c in v] for k, v in sorted(world.layout.groups.items())},
             "storage": spec.storage.url}
 
@@ -91,16 +127,27 @@ def identity_folder(identity: dict[str, Any]) -> str:
     return f"ws{identity['world_size']}-{digest}"
 
 
-def state_bytes(spec: RegistrySpec, world: World, adapters: dict[str, Any]) -> int:
-    """Bytes one checkpoint of the live state takes, summed over every rank (collective)."""
+def rank_bytes(spec: RegistrySpec, world: World, adapters: dict[str, Any]) -> list[int]:
+    """Bytes of one checkpoint of the live state that each rank writes (collective)."""
     sizes = {}
     for name, adapter in adapters.items():
         if isinstance(adapter, TensorState):
             tensors = adapter.capture().tensors
             sizes[name] = [(key, t.numel() * t.element_size()) for key, t in tensors.items()]
     plan = compile_plan(spec, world.layout, None, sizes)
-    mine = sum(t.nbytes or 0 for t in plan.tasks if t.takes_part)
-    return sum(world.all_gather(mine)) + _SMALL_FILES
+    return world.all_gather(sum(t.nbytes or 0 for t in plan.tasks if t.takes_part))
+
+
+def state_bytes(spec: RegistrySpec, world: World, adapters: dict[str, Any]) -> int:
+    """Bytes one checkpoint of the live state takes, summed over every rank (collective)."""
+    return sum(rank_bytes(spec, world, adapters)) + _SMALL_FILES
+
+
+def node_bytes(nodes: Nodes, per_rank: list[int], node: int, replicate: bool) -> int:
+    """Bytes one memory checkpoint takes in `node`'s memory: its own ranks' files (and its
+    previous node's, which it holds as a replica) plus room for small files."""
+    held = {node, nodes.previous(node)} if replicate else {node}
+    return sum(b for r, b in enumerate(per_rank) if nodes.of_rank[r] in held) + _SMALL_FILES
 
 
 class TierEngine:
@@ -113,20 +160,25 @@ class TierEngine:
         self.tiers = spec.tiers
         self.durable = durable
         self.world = world
-        nodes = world.all_gather(node_name())
-        if len(set(nodes)) > 1:
-            named = ", ".join(sorted(set(nodes)))
-            raise SpecError(
-                f"tiers.memory: the ranks run on {len(set(nodes))} nodes ({named}); "
-                "a memory tier over several nodes needs the peer replica of issue 16, which is "
-                "not built yet: run on one node, or remove 'tiers' (docs/tiers.md)"
-            )
-        self.identity = job_identity(spec, world, nodes)
+        self.nodes = Nodes.from_names(world.all_gather(node_name()))
+        self.node = self.nodes.of_rank[world.rank]
+        self.leads = world.rank == self.nodes.leader(self.node)
+        self.replicate = self.tiers.memory.replicate is not None and self.nodes.count > 1
+        self.identity = job_identity(spec, world, self.nodes)
         self.run_url = self.tiers.memory.url.replace("{run_id}", self.identity["run_id"])
-        self.memory = open_backend(f"{self.run_url}/{identity_folder(self.identity)}")
-        needed = (self.tiers.memory.keep_last + 1) * state_bytes(spec, world, adapters)
+        folder = f"{self.run_url}/{identity_folder(self.identity)}"
+        # This node's folder: saves, retention and inventories see it alone. Loads and
+        # drains read through `reader`, which also reads the files other nodes hold.
+        self.memory = open_backend(folder)
+        self.reader: StorageBackend = self.memory
+        needed = (self.tiers.memory.keep_last + 1) * node_bytes(
+            self.nodes, rank_bytes(spec, world, adapters), self.node, self.replicate)
         _, error = attempt(self._prepare_memory, needed)
         world.agree(error, f"opening the memory tier {self.memory.url}")
+        self._server: PeerServer | None = None
+        self._replica: threading.Thread | None = None
+        if self.nodes.count > 1:
+            self._connect_peers(folder)
         self._saver = Saver(spec, self.memory, world)
         self._drainer: ThreadPoolExecutor | None = None
         self._drain: Future[None] | None = None
@@ -137,11 +189,30 @@ class TierEngine:
     def _prepare_memory(self, needed: int) -> None:
         """Refuse a tmpfs too small for keep_last + 1 checkpoints; record the identity."""
         memory = self.memory
+        if not self.leads:
+            return
         if isinstance(memory, SharedMemoryBackend):
+            held = "this node's state" + (" and its peer's replica" if self.replicate else "")
             memory.check_room(needed, f"tiers.memory.keep_last {self.tiers.memory.keep_last} "
-                                      "checkpoints of this state plus the one being written")
-        if self.world.rank == 0 and not memory.exists(IDENTITY_NAME):
+                                      f"checkpoints of {held} plus the one being written")
+        if not memory.exists(IDENTITY_NAME):
             memory.write_bytes(IDENTITY_NAME, json.dumps(self.identity, indent=1).encode())
+
+    def _connect_peers(self, folder: str) -> None:
+        """Each node's leader serves its folder; every rank reads other nodes through them,
+        its next node first (the one holding its replica). Collective."""
+        def serve() -> str | None:
+            if not self.leads:
+                return None
+            self._server = PeerServer(self.memory)  # type: ignore[arg-type]
+            return self._server.url
+        url, error = attempt(serve)
+        self.world.agree(error, "starting the memory tier's peer server")
+        urls = self.world.all_gather(url)
+        count = self.nodes.count
+        self._peer_nodes = [(self.node + k) % count for k in range(1, count)]
+        peers = [open_peer(urls[self.nodes.leader(n)]) for n in self._peer_nodes]
+        self.reader = NodeMemoryBackend(folder, peers)
 
     # -- saving -------------------------------------------------------------------------
 
@@ -164,21 +235,90 @@ class TierEngine:
             else:
                 self._join_drain()
         handle = self._saver.save(plan, adapters, step, tokens_seen, extra)
-        if self.world.rank == 0:
-            self._retain_memory(name)
-            if to_durable:
-                self._start_drain(name)
+        held = self._share(name) if self.nodes.count > 1 else self._held()
+        if self.leads:
+            self._retain_memory(name, held)
+        if self.world.rank == 0 and to_durable:
+            self._start_drain(name)
         return handle
+
+    def _held(self) -> str | None:
+        """The memory checkpoint the drain in flight reads (rank 0 knows), if any."""
+        return self._draining if self._in_flight() else None
+
+    def _share(self, name: str) -> str | None:
+        """After a memory save on several nodes (collective): every node's folder gets the
+        manifest, and with `replicate` each node leader starts copying its previous node's
+        files of `name` into its own folder. Returns what rank 0's drain reads, which no
+        node's retention may delete. A failure here costs the replica, never the save."""
+        self._join_replica()
+
+        def rank_zero() -> tuple[bytes, bytes, str | None]:
+            return (self.memory.read_bytes(f"{name}/{MANIFEST_NAME}"),
+                    self.memory.read_bytes(f"{name}/{MANIFEST_SUM_NAME}"), self._held())
+
+        mine: Any = None
+        if self.world.rank == 0:
+            mine, error = attempt(rank_zero)
+            if error is not None:
+                logger.warning("memory tier: cannot share the manifest of %s with the other "
+                               "nodes (%s)", self.memory.display(name), error)
+        listing, _ = attempt(self.memory.walk, name) if self.leads else (None, None)
+        everyone = self.world.all_gather((mine, [(f.path, f.size) for f in listing or []]))
+        shared = everyone[0][0]
+        if shared is None or not self.leads:
+            return None if shared is None else shared[2]
+        manifest, digest, held = shared
+        if self.node != 0:
+            _, error = attempt(self._write_manifest, name, manifest, digest)
+            if error is not None:
+                logger.warning("memory tier: writing the manifest of %s on node %d failed "
+                               "(%s)", self.memory.display(name), self.node, error)
+        if self.replicate:
+            source = self.nodes.previous(self.node)
+            files = parse_manifest(manifest, self.memory.display(name)).files
+            wanted = {f"{name}/{r.path}" for r in files}
+            theirs = [p for p, _ in everyone[self.nodes.leader(source)][1] if p in wanted]
+            self._replica = threading.Thread(target=self._replicate, args=(source, theirs),
+                                             name="statereg-replica", daemon=True)
+            self._replica.start()
+        return held
+
+    def _write_manifest(self, name: str, manifest: bytes, digest: bytes) -> None:
+        """The manifest last, as a commit writes it: its sum first."""
+        self.memory.write_bytes(f"{name}/{MANIFEST_SUM_NAME}", digest)
+        self.memory.write_bytes(f"{name}/{MANIFEST_NAME}", manifest)
+
+    def _replicate(self, source: int, paths: list[str]) -> None:
+        """Copy node `source`'s files into this node's folder (runs on a thread)."""
+        assert isinstance(self.reader, NodeMemoryBackend)
+        peer = self.reader.peers[self._peer_nodes.index(source)]
+        started = time.perf_counter()
+        try:
+            for path in paths:
+                self.reader.fetch(peer, path)
+        except Exception as exc:
+            logger.warning("memory tier: replicating node %d's files into node %d failed "
+                           "(%s); a loss of node %d now restores from storage.url", source,
+                           self.node, exc, source)
+            return
+        logger.debug("memory tier: replicated %d file(s) of node %d in %.2f s", len(paths),
+                     source, time.perf_counter() - started)
+
+    def _join_replica(self) -> None:
+        if self._replica is not None:
+            self._replica.join()
+            self._replica = None
 
     def _in_flight(self) -> bool:
         return self._drain is not None and not self._drain.done()
 
-    def _retain_memory(self, saved: str) -> None:
+    def _retain_memory(self, saved: str, held: str | None) -> None:
         """Keep the newest keep_last memory checkpoints and the one a drain reads."""
         keep = SaveSpec(keep_last=self.tiers.memory.keep_last)
-        held = self._draining if self._in_flight() else saved
+        self._join_replica()  # it writes into the checkpoints retention may delete
         try:
-            apply_retention(self.memory, keep, held)
+            apply_retention(self.memory, keep, held or saved)
         except Exception as exc:  # the save is committed: retry at the next save
             logger.warning("memory retention in %s failed (%s); the next save retries",
                            self.memory.url, exc)
@@ -193,7 +333,7 @@ class TierEngine:
         """Copy memory checkpoint `name` to storage.url (manifest last), then retention."""
         started = time.perf_counter()
         try:
-            copy_checkpoint(self.memory, name, self.durable)
+            copy_checkpoint(self.reader, name, self.durable)
         except BaseException as exc:
             self._drain_error = exc
             logger.error("draining %s to %s failed: %s; the next due step drains again",
@@ -227,7 +367,8 @@ class TierEngine:
                                 ) from error
 
     def close(self) -> None:
-        """Finish the drain in flight and stop its thread."""
+        """Finish the drain in flight and stop its thread; on several nodes (collective),
+        stop serving this node's folder once rank 0's drain no longer reads it."""
         try:
             self.wait()
         finally:
@@ -235,24 +376,37 @@ class TierEngine:
             if self._drainer is not None:
                 self._drainer.shutdown()
                 self._drainer = None
+            self._join_replica()
+            if self.nodes.count > 1:
+                self.world.all_gather(None)  # every rank's drain and replica is done
+                if self._server is not None:
+                    self._server.close()
+                    self._server = None
 
     # -- restoring ----------------------------------------------------------------------
 
-    def memory_steps(self) -> dict[int, str]:
-        """Steps this rank finds complete in memory: manifest matching manifest.sum, every
-        file present at its recorded size (bytes are checked as they load). Step -> name."""
-        found: dict[int, str] = {}
-        for committed in list_committed(self.memory):
-            sizes = {f.path: f.size for f in self.memory.walk(committed.name)}
-            damaged = [r.path for r in committed.manifest.files
-                       if sizes.get(f"{committed.name}/{r.path}") != r.size]
-            if damaged:
-                logger.warning("memory tier: %s skipped: %d file(s) missing or of the wrong "
-                               "size (first: %s)", self.memory.display(committed.name),
-                               len(damaged), damaged[0])
+    def inventory(self) -> dict[int, tuple[dict[str, int] | None, dict[str, int]]]:
+        """This node's folder, step by step: the files its manifest lists, with their sizes
+        (None when this node holds no manifest of that step that reads), and the files
+        present, with their sizes. Paths are from the root (`step_N/...`)."""
+        committed = {c.step: c for c in list_committed(self.memory)}
+        found: dict[int, tuple[dict[str, int] | None, dict[str, int]]] = {}
+        for entry in self.memory.list_dir(""):
+            step = step_of(entry)
+            if step is None:
                 continue
-            found[committed.step] = committed.name
+            present = {f.path: f.size for f in self.memory.walk(entry)}
+            known = committed.get(step)
+            need = (None if known is None
+                    else {f"{entry}/{r.path}": r.size for r in known.manifest.files})
+            found[step] = (need, present)
         return found
+
+    def memory_steps(self) -> dict[int, str]:
+        """Steps complete in this node's folder alone: manifest matching manifest.sum, every
+        file present at its recorded size (bytes are checked as they load). Step -> name."""
+        return {step: checkpoint_name(step) for step, (need, present) in self.inventory().items()
+                if need is not None and all(present.get(p) == n for p, n in need.items())}
 
     def _other_identities(self) -> list[str]:
         """Identity folders of other jobs under shm://<run_id> on this node."""
@@ -263,41 +417,70 @@ class TierEngine:
     def nearest(self) -> tuple[StorageBackend, Committed] | None:
         """The memory copy to resume from, or None to resume from storage.url (collective).
 
-        Every rank reports the steps complete in its memory; the newest step all ranks hold
-        wins, unless storage.url lists a higher step that is committed (only then is a
-        durable manifest read: zero bytes come from the durable tier otherwise).
+        Each node's leader reports its folder's inventory; the newest step whose files the
+        nodes hold between them (each at its recorded size) wins, unless storage.url lists a
+        higher step that is committed (only then is a durable manifest read: zero bytes come
+        from the durable tier otherwise). A rank reads what its node lacks from a peer.
         """
-        mine, error = attempt(self.memory_steps)
-        if error is not None:
-            logger.warning("memory tier %s unreadable (%s): restoring from %s",
-                           self.memory.url, error, self.durable.url)
-            mine = {}
-        everyone = self.world.all_gather(sorted(mine))
-        common = set(everyone[0]).intersection(*everyone[1:])
-        choice = max(common) if common else None
+        mine: Any = None
+        if self.leads:
+            mine, error = attempt(self.inventory)
+            if error is not None:
+                logger.warning("memory tier %s unreadable on node %d (%s)", self.memory.url,
+                               self.node, error)
+                mine = {}
+        everyone = self.world.all_gather(mine)
+        decided: Any = None
         if self.world.rank == 0:
-            choice = self._check_against_durable(choice, everyone)
-        choice = self.world.broadcast(choice)
+            folders = {self.nodes.of_rank[r]: inv for r, inv in enumerate(everyone)
+                       if inv is not None}
+            choice, holders = self._complete(folders)
+            decided = (self._check_against_durable(choice, folders), holders)
+        choice, holders = self.world.broadcast(decided)
         if choice is None:
             return None
+        if isinstance(self.reader, NodeMemoryBackend):
+            self.reader.holders = {
+                path: (size, [self._peer_nodes.index(n) for n in nodes if n != self.node])
+                for path, (size, nodes) in holders.items()}
         name = checkpoint_name(choice)
-        return self.memory, Committed(name, read_manifest_at(self.memory, name))
+        return self.reader, Committed(name, read_manifest_at(self.reader, name))
+
+    def _complete(self, folders: dict[int, Any],
+                  ) -> tuple[int | None, dict[str, tuple[int, list[int]]]]:
+        """Rank 0: the newest step whose files the node folders hold between them, and which
+        nodes hold each file; one log line for each newer step that is incomplete."""
+        steps = sorted({step for inv in folders.values() for step, (need, _) in inv.items()
+                        if need is not None}, reverse=True)
+        for step in steps:
+            need = next(inv[step][0] for inv in folders.values()
+                        if inv.get(step, (None, None))[0] is not None)
+            holders = {path: (size, [node for node, inv in sorted(folders.items())
+                                     if inv.get(step, (None, {}))[1].get(path) == size])
+                       for path, size in need.items()}
+            missing = sorted(path for path, (_, nodes) in holders.items() if not nodes)
+            if not missing:
+                return step, holders
+            where = "on every node" if len(folders) > 1 else ""
+            logger.warning("memory tier: %s skipped: %d file(s) missing or of the wrong "
+                           "size%s (first: %s)", self.memory.display(checkpoint_name(step)),
+                           len(missing), f" {where}" if where else "", missing[0])
+        return None, {}
 
     def _check_against_durable(self, choice: int | None,
-                               everyone: list[list[int]]) -> int | None:
+                               folders: dict[int, Any]) -> int | None:
         """Rank 0: keep the memory step unless the durable tier has a newer committed one;
         say in one line why memory is not used."""
         if choice is None:
-            held = set().union(*map(set, everyone))
+            held = {step for inv in folders.values() for step in inv}
             others = [] if held else self._other_identities()
             if held:
-                missing = {r for r, steps in enumerate(everyone) if max(held) not in steps}
-                why = f"step {max(held)} is not complete on rank(s) {sorted(missing)}"
+                why = f"no step is complete across the nodes' folders (newest: {max(held)})"
             elif others:
                 why = (f"it holds only checkpoints of other job identities "
                        f"({', '.join(others)}; this job is "
                        f"{identity_folder(self.identity)}: world size {self.world.size}, "
-                       f"nodes {sorted(set(self.identity['nodes']))}), which are never loaded")
+                       f"{self.nodes.count} node(s)), which are never loaded")
             else:
                 why = "it holds no complete checkpoint"
             logger.warning("memory tier %s skipped: %s; restoring from %s", self.memory.url,
@@ -312,3 +495,18 @@ class TierEngine:
                 return None
         return choice
 
+    # -- on a signal --------------------------------------------------------------------
+
+    def flush(self) -> tuple[str | None, bool]:
+        """On a declared signal (engine/signals.py, rank 0): wait for the drain in flight,
+        then drain the newest complete memory checkpoint now unless storage.url holds it.
+        Returns its name (None when memory holds none) and whether this call copied it."""
+        self._join_drain()
+        newest = list_committed(self.memory)
+        if not newest:
+            return None, False
+        name = newest[-1].name
+        if _committed(self.durable, name):
+            return name, False
+        self._drain_one(name)
+        return name, True

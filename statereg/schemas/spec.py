@@ -326,6 +326,17 @@ class SaveSpec(_Declared):
         return self
 
 
+class ReplicaSpec(_Declared):
+    """Where each node's memory checkpoints are copied, so losing a node loses no memory
+    checkpoint (docs/tiers.md)."""
+
+    to: Literal["next_node"] = Field(
+        default="next_node",
+        description="next_node: node i's files are copied into node i+1's memory (the last "
+        "node's into the first's), read from node i's server after each memory save.",
+    )
+
+
 class MemoryTierSpec(_Declared):
     """The memory tier: checkpoints in host shared memory (/dev/shm), which outlives the
     trainer process but not the node (docs/tiers.md)."""
@@ -349,6 +360,13 @@ class MemoryTierSpec(_Declared):
         default="wait",
         description="When a durable checkpoint is due while the previous drain is still "
         "copying: wait for it (the loop blocks), or skip this one (the next due step drains).",
+    )
+
+    replicate: ReplicaSpec | None = Field(
+        default=None,
+        description="Copy each node's memory checkpoints into a peer node's memory, so a "
+        "lost node restores from its peer instead of storage.url. Memory used per node: "
+        "(keep_last + 1) x (its own ranks' state + its peer's).",
     )
 
     @field_validator("keep_last")

@@ -20,7 +20,7 @@ import statereg
 from statereg.backends.registry import open_backend
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.engine.checkpoints import list_committed
-from statereg.engine.tiers import identity_folder, job_identity, run_id
+from statereg.engine.tiers import Nodes, identity_folder, job_identity, run_id
 from statereg.engine.verify import verify_files
 from statereg.engine.world import World, WorldLayout
 from statereg.errors import SpecError, StorageError
@@ -121,9 +121,8 @@ def test_without_tiers_every_save_goes_to_storage_url_and_nothing_touches_shm(
      "while it is being replaced leaves no complete copy in memory; use 2 or more"),
     ({"memory": {"every": 3}, "durable": {"every": 10}},
      "tiers: durable.every 10 is not a multiple of memory.every 3"),
-    ({"memory": {"replicate": {"to": "next_node"}}},
-     "tiers.memory.replicate: unknown field 'replicate'; allowed fields: drain, every, "
-     "keep_last, url"),
+    ({"memory": {"replicate": {"to": "any_node"}}},
+     "tiers.memory.replicate.to: Input should be 'next_node'"),
     ({"memory": {"url": "/dev/shm/x"}}, "memory tier url '/dev/shm/x' must be shm://NAME"),
     ({"memory": {"drain": "later"}}, "tiers.memory.drain: Input should be 'wait' or 'skip'"),
 ])
@@ -145,11 +144,6 @@ def test_save_settings_that_tiers_replace_are_refused(save: dict[str, Any],
     with pytest.raises(SpecError) as raised:
         statereg.load_spec(tiered("/x", save=save))
     assert message in str(raised.value)
-
-
-def test_on_signal_and_peer_replica_are_not_declarable_yet() -> None:
-    with pytest.raises(SpecError, match="unknown field 'on_signal'"):
-        statereg.load_spec({**tiered("/x"), "on_signal": ["SIGTERM"]})
 
 
 # -- the shm:// backend -------------------------------------------------------------------
@@ -362,14 +356,21 @@ def test_a_missing_memory_file_skips_that_step_with_one_line(tmp_path: Path,
     assert_same_bits(fresh.tensors(), trained(8).tensors())
 
 
-def test_identity_binds_memory_to_run_world_and_nodes() -> None:
+def test_identity_binds_memory_to_run_world_and_topology() -> None:
     spec = statereg.load_spec(tiered("/durable"))
-    one = job_identity(spec, World(), ["node0"])
-    two = job_identity(spec, World(0, 2, layout=WorldLayout(0, 2, {})), ["node0", "node0"])
+    pair = World(0, 2, layout=WorldLayout(0, 2, {}))
+    one = job_identity(spec, World(), Nodes.from_names(["node0"]))
+    two = job_identity(spec, pair, Nodes.from_names(["node0", "node0"]))
+    split = job_identity(spec, pair, Nodes.from_names(["node0", "node1"]))
     assert one["run_id"] == run_id(spec) == "run7"
     assert identity_folder(one).startswith("ws1-") and identity_folder(two).startswith("ws2-")
-    assert identity_folder(one) != identity_folder(two)
-    assert identity_folder(one) == identity_folder(job_identity(spec, World(), ["node0"]))
+    assert len({identity_folder(one), identity_folder(two), identity_folder(split)}) == 3
+    assert identity_folder(one) == identity_folder(
+        job_identity(spec, World(), Nodes.from_names(["node0"])))
+    # A replaced host keeps its place: the same ranks on a node of another name are the
+    # same job, so its ranks restore from the peer's replica.
+    assert identity_folder(split) == identity_folder(
+        job_identity(spec, pair, Nodes.from_names(["node0", "spare7"])))
 
 
 def test_another_identity_in_the_same_run_is_never_loaded(tmp_path: Path, caplog: Any) -> None:

@@ -1,0 +1,188 @@
+"""Memory tiers over several nodes (docs/tiers.md): 2 simulated nodes x 2 ranks on real gloo
+groups, one shared-memory folder per node ($STATEREG_NODE), peers reached over 127.0.0.1.
+
+- With `replicate`, each node's folder holds its peer's files too: losing one node's folder
+  restores from the replica, bit-identically, and storage.url holds no checkpoint at all (so
+  not one byte could come from it).
+- Without it, ranks read what their node lacks from the other node (the manifest and the
+  replicated model live on node 0 only), and a lost node restores from storage.url.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import statereg
+from tests.distributed.harness import run_ranks
+
+STEPS = 4
+
+
+class Cursor:
+    """A per-rank object: each rank's own position, which must come back to that rank."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+def _spec(durable: str, replicate: bool, drain_every: int) -> dict[str, Any]:
+    memory: dict[str, Any] = {"every": 1, "keep_last": 2}
+    if replicate:
+        memory["replicate"] = {"to": "next_node"}
+    return {"storage": {"url": durable},
+            "components": {"model": {"kind": "model", "sharing": "replicated"},
+                           "optimizer": {"kind": "optimizer", "sharing": "replicated"},
+                           "cursor": {"kind": "custom", "sharing": "per_rank"}},
+            "tiers": {"memory": memory, "durable": {"every": drain_every}}}
+
+
+class Trainee:
+    def __init__(self, rank: int, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        self.cursor = Cursor(1000 * rank)
+
+    def step(self, step: int) -> None:
+        data = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        self.model(data).square().mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.cursor.value += 1
+
+    def manager(self, spec: dict[str, Any]) -> statereg.CheckpointManager:
+        return statereg.CheckpointManager(spec, model=self.model, optimizer=self.optimizer,
+                                          cursor=self.cursor)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        found = {f"model.{k}": v.clone() for k, v in self.model.state_dict().items()}
+        for index, state in self.optimizer.state_dict()["state"].items():
+            found.update({f"opt.{index}.{k}": torch.as_tensor(v).clone()
+                          for k, v in state.items()})
+        return found
+
+
+def _on_node(rank: int, shm: Path) -> None:
+    os.environ.update(STATEREG_SHM_DIR=str(shm), STATEREG_NODE=f"node{rank // 2}",
+                      STATEREG_RUN_ID="replica-drill", STATEREG_PEER_HOST="127.0.0.1")
+
+
+def _train_and_save(rank: int, spec: dict[str, Any]) -> Trainee:
+    trainee = Trainee(rank)
+    with trainee.manager(spec) as mgr:
+        for step in range(1, STEPS + 1):
+            trainee.step(step)
+            mgr.save(step)
+    return trainee
+
+
+def _restore(rank: int, spec: dict[str, Any], expected: Trainee) -> statereg.LoadResult | None:
+    fresh = Trainee(rank, seed=99)
+    with fresh.manager(spec) as mgr:
+        result = mgr.load()
+    if result is not None:
+        got = fresh.tensors()
+        for key, value in expected.tensors().items():
+            assert torch.equal(got[key], value), key
+        assert fresh.cursor.value == expected.cursor.value
+    return result
+
+
+def _lose_node(rank: int, shm: Path, node: str) -> None:
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(shm / "statereg" / node)
+    dist.barrier()
+
+
+def replica_drill(rank: int, world: int, shm: Path, durable: str, out: Path) -> None:
+    _on_node(rank, shm)
+    spec = _spec(durable, replicate=True, drain_every=100)  # never drained
+    trained = _train_and_save(rank, spec)
+    dist.barrier()
+    if rank == 0:  # both folders hold every file of the newest step (own + replica)
+        listing = {node: sorted(str(p.relative_to(shm / "statereg" / node))
+                                for p in (shm / "statereg" / node).rglob("step_00000004/*/*"))
+                   for node in ("node0", "node1")}
+        (out / "listing.json").write_text(json.dumps(listing))
+    _lose_node(rank, shm, "node0")
+    result = _restore(rank, spec, trained)
+    assert result is not None and result.step == STEPS
+    assert result.path.startswith("shm://replica-drill/"), result.path
+
+
+def test_a_lost_node_restores_from_its_peer_replica_bit_identically(tmp_path: Path) -> None:
+    shm, durable = tmp_path / "shm", tmp_path / "durable"
+    shm.mkdir()
+    run_ranks(4, replica_drill, tmp_path, shm, str(durable), tmp_path)
+    listing = json.loads((tmp_path / "listing.json").read_text())
+    assert listing["node0"] == listing["node1"]
+    assert any(p.endswith("/cursor/rank_00003.json") for p in listing["node0"])
+    assert any(p.endswith("/cursor/rank_00000.json") for p in listing["node1"])
+    # storage.url never received a checkpoint: the restore read nothing from it.
+    assert not durable.exists() or not any(durable.glob("step_*"))
+    # The restored job saved nothing new, and node 0's folder was rebuilt only for identity.
+    assert not list((shm / "statereg" / "node0").rglob("step_*"))
+
+
+def peers_drill(rank: int, world: int, shm: Path, durable: str, out: Path) -> None:
+    _on_node(rank, shm)
+    spec = _spec(durable, replicate=False, drain_every=2)
+    trained = _train_and_save(rank, spec)
+    node1 = shm / "statereg" / "node1"
+    dist.barrier()
+    # Node 1 holds only what its ranks wrote (and the manifest), not rank 0's cursor or
+    # rank 0's share of the model...
+    mine = {p.name for p in node1.rglob("step_00000004/*/*")}
+    assert "rank_00002.json" in mine and "rank_00000.json" not in mine, mine
+    # ...yet every rank restores step 4 from memory, reading what it lacks from node 0.
+    result = _restore(rank, spec, trained)
+    assert result is not None and result.step == STEPS
+    assert result.path.startswith("shm://replica-drill/"), result.path
+    # Without a replica, a lost node leaves step 4 incomplete: storage.url's step 4 loads.
+    _lose_node(rank, shm, "node0")
+    handler = logging.FileHandler(out / f"log-{rank}.txt")
+    logging.getLogger("statereg").addHandler(handler)
+    try:
+        result = _restore(rank, spec, trained)
+    finally:
+        logging.getLogger("statereg").removeHandler(handler)
+    assert result is not None and result.step == STEPS
+    assert result.path == f"{durable}/step_00000004", result.path
+
+
+def test_without_replica_ranks_read_other_nodes_and_a_lost_node_uses_storage(
+        tmp_path: Path) -> None:
+    shm, durable = tmp_path / "shm", tmp_path / "durable"
+    shm.mkdir()
+    run_ranks(4, peers_drill, tmp_path, shm, str(durable), tmp_path)
+    log = (tmp_path / "log-0.txt").read_text()
+    assert "step_00000004 skipped: " in log and "missing or of the wrong size on every node" in log
+
+
+@pytest.mark.parametrize("replicate", [True, False])
+def test_the_memory_math_counts_the_peer_replica(replicate: bool) -> None:
+    from statereg.engine.tiers import _SMALL_FILES, Nodes, node_bytes
+
+    nodes = Nodes.from_names(["a", "a", "b", "b", "c", "c"])
+    per_rank = [10, 20, 30, 40, 50, 60]
+    own = 50 + 60
+    held = own + (30 + 40 if replicate else 0)  # node c holds node b's files
+    assert node_bytes(nodes, per_rank, 2, replicate) == held + _SMALL_FILES
+    assert nodes.previous(0) == 2 and nodes.leader(1) == 2 and nodes.count == 3
