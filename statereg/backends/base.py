@@ -6,6 +6,7 @@ registered in `statereg.backends.registry`.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import importlib.util
@@ -15,7 +16,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -163,6 +164,67 @@ class _BlockStream:
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         with self._backend._storage_op("read", self._path):
             return self._raw.seek(offset, whence)
+
+
+class _RangeReads(io.RawIOBase):
+    """A seekable, read-only view of a stored file of which only some byte ranges are fetched.
+
+    `ranges` are the (start, end) runs a reader will use; each is fetched with one ranged
+    read the first time a read touches it, and only the run being read is held in memory. A
+    read outside every run fetches just what it asks for. A run the store returns short (a
+    truncated object) reads as the end of the file there.
+    """
+
+    def __init__(self, backend: StorageBackend, path: str, ranges: Sequence[tuple[int, int]],
+                 size: int | None) -> None:
+        super().__init__()
+        self._backend, self._path, self._size = backend, path, size
+        self._runs = sorted(ranges)
+        self._starts = [start for start, _ in self._runs]
+        self._pos = 0
+        self._buffer_start, self._buffer = 0, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_END:
+            if self._size is None:
+                self._size = self._backend.size(self._path)
+            offset += self._size
+        elif whence == io.SEEK_CUR:
+            offset += self._pos
+        self._pos = max(0, offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if not view:
+            return 0
+        at = self._pos - self._buffer_start
+        if not 0 <= at < len(self._buffer):
+            self._fetch(len(view))
+            at = self._pos - self._buffer_start
+        got = max(0, min(len(view), len(self._buffer) - at))
+        view[:got] = self._buffer[at:at + got]
+        self._pos += got
+        return got
+
+    def _fetch(self, wanted: int) -> None:
+        """Fetch the run holding the position (or, outside every run, the bytes asked for)."""
+        index = bisect.bisect_right(self._starts, self._pos) - 1
+        if index >= 0 and self._pos < self._runs[index][1]:
+            start, end = self._runs[index]
+        else:
+            start, end = self._pos, self._pos + wanted
+        self._buffer = b""  # the previous run is released before the next one arrives
+        self._buffer_start, self._buffer = start, self._backend.read_range(self._path, start, end)
 
 
 class StorageBackend:
@@ -400,6 +462,24 @@ class StorageBackend:
             yield io.BytesIO(self.read_bytes(path, limit=size))
         else:
             yield io.BytesIO(self.read_bytes(path))
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the file (fewer if it ends sooner), with one ranged read."""
+        with self._storage_op("read", path):
+            return self.fs.cat_file(self.full_path(path), start=start, end=end)
+
+    @contextmanager
+    def open_ranges(self, path: str, ranges: Sequence[tuple[int, int]],
+                    size: int | None = None) -> Iterator[IO[bytes]]:
+        """A seekable stream over the file that fetches only `ranges` (sorted, disjoint
+        (start, end) runs), each with one ranged read when first read, one run held at a time.
+
+        A load that needs part of a file (a sharded checkpoint read at another world size,
+        some keys of it) moves those bytes and no others. `size`, from the manifest, answers
+        a seek from the end without asking the store.
+        """
+        with _RangeReads(self, path, ranges, size) as stream:
+            yield stream
 
     @contextmanager
     def open_blocks(self, path: str) -> Iterator[_BlockStream]:

@@ -18,7 +18,7 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -296,6 +296,13 @@ class LocalBackend(StorageBackend):
             # would copy through (measured: half the warm-cache read rate with 8 MiB).
             stream = open(fd, "rb")  # noqa: SIM115
         with stream:
+            yield stream
+
+    @contextmanager
+    def open_ranges(self, path: str, ranges: Sequence[tuple[int, int]],
+                    size: int | None = None) -> Iterator[IO[bytes]]:
+        """The file itself: a read on disk moves only the bytes it asks for."""
+        with self.open_read(path, size) as stream:
             yield stream
 
     def exists(self, path: str) -> bool:
