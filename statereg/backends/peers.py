@@ -24,6 +24,7 @@ import secrets
 import shutil
 import socket
 import threading
+from collections.abc import Sequence
 from contextlib import contextmanager, suppress
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -227,6 +228,14 @@ class NodeMemoryBackend(SharedMemoryBackend):
         else:
             with peer.open_read(path, size) as stream:
                 yield stream
+
+    @contextmanager
+    def open_ranges(self, path: str, ranges: Sequence[tuple[int, int]],
+                    size: int | None = None) -> Any:
+        peer = self._read_from(path)
+        source = super() if peer is None else peer
+        with source.open_ranges(path, ranges, size) as stream:
+            yield stream
 
     def open_blocks(self, path: str) -> Any:
         peer = self._read_from(path)
