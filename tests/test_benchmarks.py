@@ -7,6 +7,7 @@ a timing: the machines that run the tests are shared and noisy.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,25 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
 
     table = (out / "suite.md").read_text()
     assert "### Targets" in table and "### compression" in table
+
+
+def test_bench_scale_quick_prints_growth_exponents_and_the_100k_tensor_manifest() -> None:
+    """benchmarks/bench_scale.py --quick (8..64 simulated ranks, real planner and commit code):
+    both tables carry every figure's growth exponent, a per-rank constant figure fits 0.00,
+    and the manifest of a 4,096-rank, 100k-tensor checkpoint is built and parsed."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_scale.py"), "--quick"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    headers = [line for line in lines if line.startswith("| figure |")]
+    assert headers == ["| figure | 8 | 16 | 32 | 64 | exponent | c |"] * 2
+    per_rank = [line for line in lines if line.startswith("| collectives per rank |")]
+    assert len(per_rank) == 2 and all(line.split(" | ")[-2] == "0.00" for line in per_rank)
+    manifest = re.search(r"manifest of a 4096-rank, 100000-tensor checkpoint \((\d+) files\): "
+                         r"(\d+) bytes, parsed in ([\d.]+) s; with 100000 incremental digests: "
+                         r"(\d+) bytes, parsed in ([\d.]+) s", done.stdout)
+    assert manifest, done.stdout[-2000:]
+    # Four files per rank (two DCP data files, dataloader, rng) and four written once.
+    assert int(manifest.group(1)) == 4 * 4096 + 4
+    assert int(manifest.group(4)) > int(manifest.group(2)) + 100_000 * 50
