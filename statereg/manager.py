@@ -214,14 +214,16 @@ class CheckpointManager:
             include = include or chosen.include
         self.wait()
         if path is None and step is None and self._tiers is not None:
-            nearest = self._tiers.nearest()
-            if nearest is not None:
+            unusable: set[int] = set()
+            while (nearest := self._tiers.nearest(frozenset(unusable))) is not None:
                 try:
                     return self._load_committed(*nearest, include, exclude, strict, verify)
                 except (CorruptCheckpointError, CheckpointDeletedError) as exc:
-                    # Loads the same components, so it overwrites whatever this one touched.
-                    logger.warning("memory copy %s unusable (%s); restoring from %s",
-                                   nearest[0].display(nearest[1].name), exc, self._backend.url)
+                    # The next copy loads the same components, so it overwrites whatever
+                    # this one touched: an older memory step, else storage.url.
+                    logger.warning("memory copy %s unusable (%s); trying the next nearest copy",
+                                   nearest[0].display(nearest[1].name), exc)
+                    unusable.add(nearest[1].manifest.step)
         try:
             resolved = self._resolve(path, step)
         except CheckpointNotFoundError:

@@ -234,6 +234,8 @@ class TierEngine:
                 to_durable = False
             else:
                 self._join_drain()
+        if self.leads:
+            self._drop_stale(step)
         handle = self._saver.save(plan, adapters, step, tokens_seen, extra)
         held = self._share(name) if self.nodes.count > 1 else self._held()
         if self.leads:
@@ -241,6 +243,20 @@ class TierEngine:
         if self.world.rank == 0 and to_durable:
             self._start_drain(name)
         return handle
+
+    def _drop_stale(self, step: int) -> None:
+        """Delete this node's memory checkpoints of `step` and later: the job is at `step`,
+        so they belong to a run it abandoned (it resumed from an older copy, e.g. after a
+        damaged memory file), and would refuse this save as already committed. The durable
+        tier is never touched. The save's first collective follows, so no rank of this node
+        writes before this is done."""
+        for entry in self.memory.list_dir(""):
+            found = step_of(entry)
+            if found is not None and found >= step and entry != self._draining:
+                logger.warning("memory tier: removing %s, left by a run that went past step "
+                               "%d before resuming from an earlier copy",
+                               self.memory.display(entry), step)
+                self.memory.remove_tree(entry)
 
     def _held(self) -> str | None:
         """The memory checkpoint the drain in flight reads (rank 0 knows), if any."""
@@ -414,17 +430,20 @@ class TierEngine:
         base = open_backend(self.run_url)
         return sorted(n for n in base.list_dir("") if n != mine and n.startswith("ws"))
 
-    def nearest(self) -> tuple[StorageBackend, Committed] | None:
+    def nearest(self, unusable: frozenset[int] = frozenset(),
+                ) -> tuple[StorageBackend, Committed] | None:
         """The memory copy to resume from, or None to resume from storage.url (collective).
 
         Each node's leader reports its folder's inventory; the newest step whose files the
         nodes hold between them (each at its recorded size) wins, unless storage.url lists a
         higher step that is committed (only then is a durable manifest read: zero bytes come
         from the durable tier otherwise). A rank reads what its node lacks from a peer.
+        Steps in `unusable` (a load of them failed) are passed over.
         """
         mine: Any = None
         if self.leads:
-            mine, error = attempt(self.inventory)
+            mine, error = attempt(lambda: {step: found for step, found in self.inventory().items()
+                                           if step not in unusable})
             if error is not None:
                 logger.warning("memory tier %s unreadable on node %d (%s)", self.memory.url,
                                self.node, error)
@@ -501,7 +520,11 @@ class TierEngine:
         """On a declared signal (engine/signals.py, rank 0): wait for the drain in flight,
         then drain the newest complete memory checkpoint now unless storage.url holds it.
         Returns its name (None when memory holds none) and whether this call copied it."""
-        self._join_drain()
+        if self._drainer is not None:
+            # Waits for the drain in flight, even when the signal came inside wait() or
+            # close(), which took its future already.
+            self._drainer.shutdown()
+            self._drainer = None
         newest = list_committed(self.memory)
         if not newest:
             return None, False

@@ -341,6 +341,34 @@ def test_a_damaged_memory_copy_fails_closed_to_the_durable_tier(tmp_path: Path,
     assert_same_bits(fresh.tensors(), trained(8).tensors())
 
 
+def test_a_damaged_newest_memory_copy_falls_back_to_the_older_one_and_is_replaced(
+        tmp_path: Path, caplog: Any) -> None:
+    spec = tiered(str(tmp_path / "durable"), durable={"every": 100})  # memory only
+    mgr = run(spec, 11)  # memory holds steps 8 and 10
+    memory_root = mgr._tiers.memory.root
+    mgr.close()
+    victim = next(Path(memory_root, "step_00000010", "optimizer").glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    resumed = Trainee()
+    mgr = resumed.manager(spec)
+    with caplog.at_level(logging.WARNING, logger="statereg"):
+        result = mgr.load()
+    assert result.step == 8 and result.path.startswith("shm://run7/")
+    assert "step_00000010 unusable" in caplog.text
+    assert_same_bits(resumed.tensors(), trained(8).tensors())
+    # The run goes on from step 8: its step 10 replaces the damaged one of the run it left.
+    for step in (9, 10):
+        resumed.step(step)
+        mgr.save(step)
+    mgr.close()
+    assert "removing shm://run7/" in caplog.text
+    fresh = Trainee()
+    assert fresh.manager(spec).load().step == 10
+    assert_same_bits(fresh.tensors(), trained(10).tensors())
+
+
 def test_a_missing_memory_file_skips_that_step_with_one_line(tmp_path: Path,
                                                              caplog: Any) -> None:
     spec = tiered(str(tmp_path / "durable"))
