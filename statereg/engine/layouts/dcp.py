@@ -7,10 +7,14 @@ sidecar written by the task's leader.
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -22,7 +26,15 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from statereg.backends.dcp_io import BackendReader, BackendWriter, SafeLoadPlanner
+from statereg.backends.checksum import FileRecorder, WrittenFile
+from statereg.backends.dcp_io import (
+    BackendReader,
+    BackendWriter,
+    ItemReports,
+    SafeLoadPlanner,
+    pack_results,
+    unpack_results,
+)
 from statereg.engine.layouts.base import (
     Captured,
     Prepared,
@@ -32,7 +44,7 @@ from statereg.engine.layouts.base import (
     nothing,
     require_object,
 )
-from statereg.engine.plan import LoadTask, Task
+from statereg.engine.plan import WORLD, LoadTask, Task
 from statereg.formats.jsonstate import decode_state, encode_state
 from statereg.formats.names import SIDECAR_NAME
 from statereg.formats.tensors import dcp_tensor_metas
@@ -126,6 +138,154 @@ class StateregSavePlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
+def plan_digest(plan: SavePlan) -> str:
+    """A digest of a local save plan: equal digests on every rank, equal global plans."""
+    return xxhash.xxh3_128_hexdigest(
+        pickle.dumps((plan.items, plan.planner_data), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+@dataclass
+class _KeptPlan:
+    """One component's plans from its last committed save, on this rank."""
+
+    digests: list[str]  # every member's local plan digest, in rank order
+    plan: SavePlan  # this rank's final plan (its items and its file prefix)
+    reports: ItemReports  # this rank's write results, packed
+    # The coordinator's alone: the global `.metadata` (its tensors, not its locations), each
+    # member's final item indices and last reports.
+    metadata: Metadata | None = None
+    members: list[list[MetadataIndex]] = field(default_factory=list)
+    member_reports: list[ItemReports] = field(default_factory=list)
+
+
+class SavePlans:
+    """DCP save plans of one job, reused while every rank plans what it planned last time.
+
+    Before its writes, a save digests each rank's local plan of every DCP component over the
+    whole world or alone (`digest`); engine/save.py gathers the digests with the claim's
+    agreement, one collective for all components. A component whose digests on every rank
+    equal those of its last committed save skips DCP's planning collectives: each rank
+    writes its kept final plan, sends its packed write results to the coordinator with the
+    save's file reports (`outgoing`), and the coordinator writes `.metadata` from its kept
+    global metadata and those results (`finish`). The digests always are the new save's.
+    Anything else (a first save, changed shapes, a named group's component) runs dcp.save
+    and is kept for the next save once this one commits. Kept per job, keyed by component,
+    never by class: several components and jobs save in one process.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[str, _KeptPlan] = {}
+        self._planners: dict[str, StateregSavePlanner] = {}
+        self._digests: dict[str, list[str]] = {}
+        self._learned: dict[str, _KeptPlan] = {}
+        self._writers: dict[str, BackendWriter] = {}
+        self._alone: set[str] = set()  # components this rank saves with no collective
+        self.outgoing: dict[str, ItemReports] = {}
+
+    def digest(self, captured: list[Captured], rank: int) -> dict[str, str]:
+        """This rank's local plan digest of each DCP component it can reuse plans of."""
+        self._planners, self._digests, self._learned = {}, {}, {}
+        self._writers, self._alone, self.outgoing = {}, set(), {}
+        digests = {}
+        for item in captured:
+            task = item.task
+            if task.layout != "dcp" or item.tensors is None or task.collective not in (None,
+                                                                                       WORLD):
+                continue
+            if task.collective is None:
+                self._alone.add(task.component)
+            planner = StateregSavePlanner()
+            # DCP's coordinator (rank 0 of the world, or this rank alone) also plans objects.
+            planner.set_up_planner(item.tensors,
+                                   is_coordinator=task.collective is None or rank == 0)
+            digests[task.component] = plan_digest(planner.create_local_plan())
+            self._planners[task.component] = planner
+        return digests
+
+    def decide(self, gathered: list[dict[str, str]], rank: int) -> list[str]:
+        """Given every rank's `digest`, the components this save reuses plans of."""
+        reused = []
+        for component in list(self._planners):
+            digests = ([gathered[rank][component]] if component in self._alone
+                       else [theirs.get(component, "") for theirs in gathered])
+            self._digests[component] = digests
+            kept = self._kept.get(component)
+            if kept is not None and kept.digests == digests:
+                reused.append(component)
+            else:
+                self._planners.pop(component)
+        return reused
+
+    def writes_again(self, component: str) -> bool:
+        return component in self._planners
+
+    def write_again(self, component: str, writer: BackendWriter) -> None:
+        """Write this rank's items of `component` by its kept plan (no collective)."""
+        kept, planner = self._kept[component], self._planners[component]
+        writer.set_up_storage_writer(planner.is_coordinator)
+        writer.prepare_local_plan(planner.plan)  # the directory, as DCP's writer makes it
+        writer.write_data(planner.finish_plan(kept.plan), planner).wait()
+        reports = pack_results([item.index for item in kept.plan.items], writer.written)
+        self._learned[component] = dataclasses.replace(kept, reports=reports)
+        if component in self._alone:
+            self._write_metadata(component, writer, [reports.to_send(kept.reports)])
+        else:
+            self.outgoing[component] = reports.to_send(kept.reports)
+            self._writers[component] = writer
+
+    def learn(self, component: str, planner: StateregSavePlanner,
+              writer: BackendWriter) -> None:
+        """Keep what dcp.save planned for `component`, for the next save of the same plans."""
+        digests = self._digests.get(component)
+        if digests is None:
+            return
+        kept = _KeptPlan(digests, planner.plan,
+                         pack_results([item.index for item in planner.plan.items],
+                                      writer.written))
+        if planner.is_coordinator:
+            # Its tensors and planner data; locations and digests are each save's own.
+            kept.metadata = dataclasses.replace(planner.metadata, storage_data=None)
+            kept.members = [[item.index for item in plan.items] for plan in planner.global_plan]
+            kept.member_reports = [pack_results(indices, results) for indices, results
+                                   in zip(kept.members, writer.finished, strict=True)]
+        self._learned[component] = kept
+
+    def finish(self, gathered: list[dict[str, ItemReports]]) -> list[WrittenFile]:
+        """On the coordinator: write the `.metadata` of every component written again, from
+        every rank's reports; returns the files written."""
+        recorder = FileRecorder()
+        for component, writer in self._writers.items():
+            writer.fs.recorder = recorder  # the write reports are sent: record these apart
+            self._write_metadata(component, writer, [theirs[component] for theirs in gathered])
+        return recorder.files()
+
+    def _write_metadata(self, component: str, writer: BackendWriter,
+                        reports: list[ItemReports]) -> None:
+        kept = self._kept[component]
+        assert kept.metadata is not None
+        results, whole = [], []
+        for indices, theirs, last in zip(kept.members, reports, kept.member_reports,
+                                         strict=True):
+            items, full = unpack_results(indices, theirs, last)
+            results.append(items)
+            whole.append(full)
+        # A copy: finish() sets the new locations and digests on it, never on the kept one.
+        writer.finish(dataclasses.replace(kept.metadata), results)
+        self._learned[component].member_reports = whole
+
+    def commit(self) -> None:
+        """The save committed: keep what it planned and wrote for the next one."""
+        self._kept.update(self._learned)
+        self._learned = {}
+
+
+@dataclass
+class PlannedWriteContext(WriteContext):
+    """A WriteContext with the job's kept DCP save plans (engine/save.py builds it)."""
+
+    plans: SavePlans | None = None
+
+
 class DCPLayout:
     """Saves and loads a tensor-state component through DCP, as its task says."""
 
@@ -144,8 +304,15 @@ class DCPLayout:
                                thread_count=task.io_threads or ctx.backend.default_io_threads,
                                compression=ctx.compression,
                                reuse=ctx.reuse(task.directory) if ctx.reuse else None)
-        dcp.save(item.tensors, storage_writer=writer, planner=StateregSavePlanner(),
+        plans = ctx.plans if isinstance(ctx, PlannedWriteContext) else None
+        if plans is not None and plans.writes_again(task.component):
+            plans.write_again(task.component, writer)
+            return writer
+        planner = StateregSavePlanner()
+        dcp.save(item.tensors, storage_writer=writer, planner=planner,
                  process_group=group, no_dist=group is None)
+        if plans is not None:
+            plans.learn(task.component, planner, writer)
         return writer
 
     def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
