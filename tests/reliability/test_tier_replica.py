@@ -10,7 +10,6 @@ groups, one shared-memory folder per node ($STATEREG_NODE), peers reached over 1
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -105,24 +104,29 @@ def _restore(rank: int, spec: dict[str, Any], expected: Trainee) -> statereg.Loa
 
 
 def _lose_node(rank: int, shm: Path, node: str) -> None:
+    """Node `node`'s memory is gone (a reboot, a new host), seen by every rank at once."""
     dist.barrier()
     if rank == 0:
         shutil.rmtree(shm / "statereg" / node)
     dist.barrier()
 
 
-def replica_drill(rank: int, world: int, shm: Path, durable: str, out: Path) -> None:
+def reference(rank: int) -> Trainee:
+    """The state after STEPS steps, trained again without a manager (the same bits)."""
+    trainee = Trainee(rank)
+    for step in range(1, STEPS + 1):
+        trainee.step(step)
+    return trainee
+
+
+def replica_save(rank: int, world: int, shm: Path, durable: str, out: Path) -> None:
     _on_node(rank, shm)
-    spec = _spec(durable, replicate=True, drain_every=100)  # never drained
-    trained = _train_and_save(rank, spec)
-    dist.barrier()
-    if rank == 0:  # both folders hold every file of the newest step (own + replica)
-        listing = {node: sorted(str(p.relative_to(shm / "statereg" / node))
-                                for p in (shm / "statereg" / node).rglob("step_00000004/*/*"))
-                   for node in ("node0", "node1")}
-        (out / "listing.json").write_text(json.dumps(listing))
-    _lose_node(rank, shm, "node0")
-    result = _restore(rank, spec, trained)
+    _train_and_save(rank, _spec(durable, replicate=True, drain_every=100))  # never drained
+
+
+def replica_restore(rank: int, world: int, shm: Path, durable: str, out: Path) -> None:
+    _on_node(rank, shm)
+    result = _restore(rank, _spec(durable, replicate=True, drain_every=100), reference(rank))
     assert result is not None and result.step == STEPS
     assert result.path.startswith("shm://replica-drill/"), result.path
 
@@ -130,14 +134,20 @@ def replica_drill(rank: int, world: int, shm: Path, durable: str, out: Path) -> 
 def test_a_lost_node_restores_from_its_peer_replica_bit_identically(tmp_path: Path) -> None:
     shm, durable = tmp_path / "shm", tmp_path / "durable"
     shm.mkdir()
-    run_ranks(4, replica_drill, tmp_path, shm, str(durable), tmp_path)
-    listing = json.loads((tmp_path / "listing.json").read_text())
+    run_ranks(4, replica_save, tmp_path, shm, str(durable), tmp_path)
+    # Both folders hold every file of the newest step: their own and their peer's.
+    listing = {node: sorted(str(p.relative_to(shm / "statereg" / node))
+                            for p in (shm / "statereg" / node).rglob("step_00000004/*/*"))
+               for node in ("node0", "node1")}
     assert listing["node0"] == listing["node1"]
     assert any(p.endswith("/cursor/rank_00003.json") for p in listing["node0"])
     assert any(p.endswith("/cursor/rank_00000.json") for p in listing["node1"])
+    assert not any(".tmp-" in p for p in listing["node1"])
+    # Node 0 is lost (a new host in its place), and the job restarts: new processes.
+    shutil.rmtree(shm / "statereg" / "node0")
+    run_ranks(4, replica_restore, tmp_path, shm, str(durable), tmp_path)
     # storage.url never received a checkpoint: the restore read nothing from it.
     assert not durable.exists() or not any(durable.glob("step_*"))
-    # The restored job saved nothing new, and node 0's folder was rebuilt only for identity.
     assert not list((shm / "statereg" / "node0").rglob("step_*"))
 
 
