@@ -143,12 +143,26 @@ class CheckpointManager:
 
     def _resolve(self, path: str | os.PathLike[str] | None, step: int | None,
                  ) -> tuple[StorageBackend, Committed] | None:
+        """The checkpoint to load and its manifest. Collective: rank 0 lists the root and reads
+        the manifest (and manifest.sum), every rank receives them, so the job reads them once
+        and all ranks load the same checkpoint even if one is committed meanwhile."""
         if path is not None and step is not None:
             raise SpecError("load: pass a path or a step, not both")
+        if path is None or step is not None or step_of(os.fspath(path)) is not None:
+            backend = self._backend
+            found = self.world.from_leader(self._find_here, path, step)
+            return None if found is None else (backend, found)
+        root, name = split_checkpoint_url(os.fspath(path))
+        backend = self._backend_for(root)
+        return backend, Committed(name, self.world.from_leader(read_manifest_at, backend, name))
+
+    def _find_here(self, path: str | os.PathLike[str] | None, step: int | None,
+                   ) -> Committed | None:
+        """What _resolve finds under this job's root (run by rank 0 alone)."""
         if step is not None:
             name = checkpoint_name(step)
             try:
-                return self._backend, Committed(name, read_manifest_at(self._backend, name))
+                return Committed(name, read_manifest_at(self._backend, name))
             except CheckpointNotFoundError:
                 have = [str(c.step) for c in list_committed(self._backend)]
                 raise CheckpointNotFoundError(
@@ -156,19 +170,9 @@ class CheckpointManager:
                     f"steps: {', '.join(have) or 'none'}"
                 ) from None
         if path is None:
-            # Rank 0 decides, so every rank loads the same checkpoint even if one is
-            # committed meanwhile.
-            latest = latest_committed(self._backend) if self.world.rank == 0 else None
-            name = self.world.broadcast(None if latest is None else latest.name)
-            if name is None:
-                return None
-            return self._backend, Committed(name, read_manifest_at(self._backend, name))
-        text = os.fspath(path)
-        if step_of(text) is not None:  # a bare checkpoint name under our root
-            return self._backend, Committed(text, read_manifest_at(self._backend, text))
-        root, name = split_checkpoint_url(text)
-        backend = self._backend_for(root)
-        return backend, Committed(name, read_manifest_at(backend, name))
+            return latest_committed(self._backend)
+        text = os.fspath(path)  # a bare checkpoint name under our root
+        return Committed(text, read_manifest_at(self._backend, text))
 
     def _foreign(self, path: str | os.PathLike[str],
                  ) -> tuple[StorageBackend, str, ForeignKind] | None:
@@ -284,17 +288,15 @@ class CheckpointManager:
         return result
 
     def _older_intact(self, damaged: Committed) -> Committed | None:
-        """The newest committed checkpoint below `damaged`'s step (rank 0 decides)."""
-        below = None
-        if self.world.rank == 0:
-            limit = step_of(damaged.name)
-            older = [c.name for c in list_committed(self._backend)
-                     if limit is not None and (step_of(c.name) or 0) < limit]
-            below = older[-1] if older else None
-        name = self.world.broadcast(below)
-        if name is None:
-            return None
-        return Committed(name, read_manifest_at(self._backend, name))
+        """The newest committed checkpoint below `damaged`'s step (rank 0 lists and reads its
+        manifest; every rank receives it)."""
+        return self.world.from_leader(self._older_here, damaged.name)
+
+    def _older_here(self, damaged: str) -> Committed | None:
+        limit = step_of(damaged)
+        older = [c for c in list_committed(self._backend)
+                 if limit is not None and (step_of(c.name) or 0) < limit]
+        return older[-1] if older else None
 
     def attach(self, **objects: Any) -> None:
         """Give objects built after load(); saved state held for them is applied once, now."""
@@ -311,13 +313,15 @@ class CheckpointManager:
     # -- listing ------------------------------------------------------------------------
 
     def latest(self) -> str | None:
-        """URL of the latest committed checkpoint, or None."""
+        """URL of the latest committed checkpoint, or None.
+
+        Not collective (a rank may call it alone): the calling rank lists the root itself."""
         self.wait()
         found = latest_committed(self._backend)
         return None if found is None else self._backend.display(found.name)
 
     def list(self) -> list[str]:
-        """URLs of every committed checkpoint, oldest first."""
+        """URLs of every committed checkpoint, oldest first (not collective, as latest())."""
         self.wait()
         return [self._backend.display(c.name) for c in list_committed(self._backend)]
 
@@ -328,7 +332,10 @@ class CheckpointManager:
         return [self._backend.display(c.name) for c in chosen]
 
     def peek(self, url: str | os.PathLike[str] | None = None) -> CheckpointInfo | None:
-        """Step, tokens and extra of a checkpoint (default: latest) without loading tensors."""
+        """Step, tokens and extra of a checkpoint (default: latest) without loading tensors.
+
+        Collective under torch.distributed, as load() is: rank 0 reads the manifest and every
+        rank receives it (call it on every rank)."""
         self.wait()
         resolved = self._resolve(url, None)
         if resolved is None:

@@ -38,7 +38,6 @@ from statereg.schemas.spec import RegistrySpec
 logger = logging.getLogger("statereg")
 
 
-
 @dataclass(frozen=True)
 class LoadResult:
     """What a load restored, and the bookkeeping saved with it."""
@@ -88,10 +87,21 @@ def read_records(manifest: Manifest, name: str, names: Iterable[str]) -> dict[st
 
 def _verify_share(backend: StorageBackend, committed: Committed, files: list[FileRecord],
                   mode: VerifyMode, world: World) -> None:
-    """Each rank verifies every world.size-th file, so the work is spread over the ranks."""
-    verify_files(backend, committed.name, files[world.rank::world.size], mode)
-    references = committed.manifest.references
-    verify_files(backend, "", references[world.rank::world.size], mode)
+    """fast: rank 0 checks every file's size from one listing of the checkpoint and tells
+    the others (a listing per rank would be N requests for the same answer); full: each rank
+    reads and checks every world.size-th file, so the reading is spread over the ranks."""
+    if mode == "fast":
+        world.from_leader(_verify_files_of, backend, committed, files, mode)
+        return
+    _verify_files_of(backend, committed, files[world.rank::world.size], mode,
+                     committed.manifest.references[world.rank::world.size])
+
+
+def _verify_files_of(backend: StorageBackend, committed: Committed, files: list[FileRecord],
+                     mode: VerifyMode, references: list[FileRecord] | None = None) -> None:
+    verify_files(backend, committed.name, files, mode)
+    verify_files(backend, "", committed.manifest.references if references is None
+                 else references, mode)
 
 
 def _agree_unless_deleted(backend: StorageBackend, name: str, world: World,
@@ -150,31 +160,30 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     reader = backend if records is None else cast(StorageBackend, VerifiedReads(backend, records))
     ctx = ReadContext(reader, committed.name, world, records, strict)
 
-    def prepare_all() -> None:
-        for name in names:
-            task = tasks[name]
-            prepared = LAYOUTS[task.layout].prepare(task, manifest.components[name],
-                                                     adapters.get(name), ctx)
-            steps.append((name, prepared.apply))
-            if prepared.pending is not None:
-                pending[name] = prepared.pending
-            if prepared.keys is not None:
-                keys[name] = prepared.keys
-
-    _, error = attempt(prepare_all)
-    _agree_unless_deleted(backend, committed.name, world, error, f"checking {where}")
+    # Layouts read for their collective once and broadcast (ReadContext.read_once,
+    # GroupReader), so ranks agree after each component: a rank that failed alone must not
+    # leave the others waiting in the next component's collective.
+    for name in names:
+        task = tasks[name]
+        prepared, error = attempt(LAYOUTS[task.layout].prepare, task,
+                                  manifest.components[name], adapters.get(name), ctx)
+        _agree_unless_deleted(backend, committed.name, world, error,
+                              f"checking {where} ({name})")
+        steps.append((name, prepared.apply))
+        if prepared.pending is not None:
+            pending[name] = prepared.pending
+        if prepared.keys is not None:
+            keys[name] = prepared.keys
     nbytes = sum(f.size for f in files)
 
-    def apply_all() -> None:
-        with Progress(nbytes, f"load {committed.name}") as progress, torch.no_grad():
-            for name, apply in steps:
-                if touched is not None:
-                    touched.add(name)
-                apply()
-                progress.update(manifest.components[name].bytes)
-
-    _, error = attempt(apply_all)
-    _agree_unless_deleted(backend, committed.name, world, error, f"loading {where}")
+    with Progress(nbytes, f"load {committed.name}") as progress, torch.no_grad():
+        for name, apply in steps:
+            if touched is not None:
+                touched.add(name)
+            _, error = attempt(apply)
+            _agree_unless_deleted(backend, committed.name, world, error,
+                                  f"loading {where} ({name})")
+            progress.update(manifest.components[name].bytes)
     elapsed = time.perf_counter() - started
     if world.rank == 0:  # once per job, not once per rank
         logger.info("loaded %s on %d rank(s): %s (%s)", where, world.size,

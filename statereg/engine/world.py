@@ -8,14 +8,17 @@ the training loop's on the default group.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import pickle
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from statereg.engine.plan import WORLD, WorldLayout
-from statereg.errors import SpecError, StateregError
+from statereg.errors import CorruptCheckpointError, SpecError, StateregError
+
+T = TypeVar("T")
 
 
 def attempt(fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
@@ -37,6 +40,40 @@ def _describe(exc: BaseException) -> str:
         return "; ".join(f"rank {r}: {_describe(pair[0])}" for r, pair in sorted(failures.items()))
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _own_error(error: BaseException, rank: int) -> BaseException:
+    """The error itself, or this rank's (else the first) error inside DCP's CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return error
+    own = failures.get(rank, next(iter(failures.values())))
+    return own[0] if isinstance(own, tuple) and isinstance(own[0], BaseException) else error
+
+
+def _is_damage(error: BaseException, rank: int) -> bool:
+    return isinstance(_own_error(error, rank), CorruptCheckpointError)
+
+
+def _portable(error: BaseException, rank: int) -> BaseException:
+    """An error another rank can raise as its own: the same one when it pickles, else a
+    StateregError with its description (a DCP CheckpointException carries tracebacks)."""
+    own = _own_error(error, rank)
+    try:
+        return pickle.loads(pickle.dumps(own))  # type: ignore[no-any-return]
+    except Exception:
+        return StateregError(_describe(own))
+
+
+def unwrap_alone(error: BaseException) -> BaseException:
+    """The error inside DCP's CheckpointException from a call run on this process alone
+    (no_dist: DCP keys it as rank 0 whatever this rank is), else the error itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and len(failures) == 1:
+        (inner,) = failures.values()
+        if isinstance(inner, tuple) and isinstance(inner[0], BaseException):
+            return inner[0]
+    return error
 
 
 def raise_own(error: BaseException, what: str, rank: int) -> None:
@@ -95,37 +132,80 @@ class World:
             return None
         return self.group if collective == WORLD else self.groups[collective]
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order (just [obj] on one process)."""
+    def members(self, group: Any = None) -> tuple[int, ...]:
+        """The global ranks of `group` (statereg's world group when None), in order."""
+        if not self.distributed:
+            return (self.rank,)
+        if group is None or group is self.group:
+            return tuple(range(self.size))
+        return tuple(sorted(dist.get_process_group_ranks(group)))
+
+    def all_gather(self, obj: Any, group: Any = None) -> list[Any]:
+        """Every rank's `obj`, in rank order (just [obj] on one process); `group`: gather
+        among that process group's ranks only (statereg's world group when None)."""
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        out: list[Any] = [None] * len(self.members(group))
+        dist.all_gather_object(out, obj, group=self.group if group is None else group)
         return out
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """`obj` from rank `src` on every rank."""
+    def broadcast(self, obj: Any, src: int = 0, group: Any = None) -> Any:
+        """`obj` from global rank `src` on every rank of `group` (statereg's world group)."""
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, src=src, group=self.group if group is None else group)
         return box[0]
 
-    def agree(self, error: BaseException | None, what: str) -> None:
+    def from_leader(self, fn: Callable[..., T], *args: Any, group: Any = None) -> T:
+        """fn(*args) run by the lowest rank of `group` only, its result on every rank.
+
+        What every rank would read alike (a manifest, DCP `.metadata`, a sidecar, a small
+        state file) is read once this way and broadcast. The leader's failure is raised on
+        every rank of the group: the leader's own error there, an equal copy elsewhere, so a
+        damaged file is a CorruptCheckpointError on every rank.
+        """
+        if not self.distributed:
+            return fn(*args)
+        leader = self.members(group)[0]
+        result, error = attempt(fn, *args) if self.rank == leader else (None, None)
+        shared = self.broadcast((result, None if error is None else _portable(error, leader)),
+                                src=leader, group=group)
+        if error is not None:
+            raise_own(error, "reading", self.rank)
+        if shared[1] is not None:
+            raise shared[1]
+        return shared[0]  # type: ignore[no-any-return]
+
+    def agree(self, error: BaseException | None, what: str, group: Any = None) -> None:
         """Exchange success or failure; if any rank failed, raise on every rank.
 
         Called around every collective phase, so one rank's failure ends the operation on all
         ranks instead of leaving the others waiting in a collective. The failing rank raises
-        its own error; the others raise a StateregError naming the failed ranks.
+        its own error; the others raise a StateregError naming the failed ranks, or a
+        CorruptCheckpointError when a rank found damage (a file one rank read for the group
+        is damaged for all of them: each must fall back alike). `group`: among its ranks only.
         """
+        self.gather_checked(None, error, what, group)
+
+    def gather_checked(self, value: Any, error: BaseException | None, what: str,
+                       group: Any = None) -> list[Any]:
+        """Every rank's `value` in rank order (of `group`'s ranks), exchanged with success or
+        failure in one collective: if any rank failed, raise on every rank as `agree` does."""
         if not self.distributed:
             if error is not None:
                 raise_own(error, what, self.rank)
-            return
-        reports = self.all_gather(None if error is None else _describe(error))
-        failed = {r: msg for r, msg in enumerate(reports) if msg is not None}
+            return [value]
+        report = None if error is None else (_describe(error), _is_damage(error, self.rank))
+        gathered = self.all_gather((None if error is not None else value, report), group)
+        ranks = self.members(group)
+        failed = {ranks[i]: r for i, (_, r) in enumerate(gathered) if r is not None}
         if error is not None:
             raise_own(error, what, self.rank)
         if failed:
-            lines = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
-            raise StateregError(f"{what} failed on {len(failed)} of {self.size} ranks ({lines})")
+            lines = "; ".join(f"rank {r}: {msg}" for r, (msg, _) in sorted(failed.items()))
+            text = f"{what} failed on {len(failed)} of {len(ranks)} ranks ({lines})"
+            if any(damage for _, damage in failed.values()):
+                raise CorruptCheckpointError(text)
+            raise StateregError(text)
+        return [v for v, _ in gathered]

@@ -65,6 +65,16 @@ class ReadContext:
     records: Mapping[str, FileRecord] | None
     strict: bool = True
 
+    def read_once(self, path: str, collective: str | None) -> bytes:
+        """The file `path` (from the root), read by one rank of the task's collective (its
+        lowest) and broadcast to the others, since every one of them reads it alike (DCP
+        `.metadata`, a sidecar, a group's state file). Verified by the reader as any read
+        through `backend` is; its failure is raised on every rank of the collective."""
+        group = self.world.process_group(collective)
+        if group is None:
+            return self.backend.read_bytes(path)
+        return self.world.from_leader(self.backend.read_bytes, path, group=group)
+
 
 @dataclass(frozen=True)
 class KeyReport:

@@ -8,11 +8,15 @@ sidecar written by the task's leader.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
 import pickle
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -24,14 +28,27 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.futures import Future
 
+from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile
 from statereg.backends.dcp_io import (
+    METADATA_NAME,
     BackendReader,
     BackendWriter,
     ItemReports,
     SafeLoadPlanner,
+    load_dcp_metadata,
     pack_results,
     unpack_results,
 )
@@ -45,10 +62,11 @@ from statereg.engine.layouts.base import (
     require_object,
 )
 from statereg.engine.plan import WORLD, LoadTask, Task
+from statereg.engine.world import World, attempt, unwrap_alone
 from statereg.formats.jsonstate import decode_state, encode_state
 from statereg.formats.names import SIDECAR_NAME
 from statereg.formats.tensors import dcp_tensor_metas
-from statereg.schemas.manifest import ComponentRecord
+from statereg.schemas.manifest import ComponentRecord, FileRecord
 
 # Exactly these types are whole local tensors to DCP (DTensor and ShardedTensor subclass Tensor).
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -319,24 +337,179 @@ class DCPLayout:
                 ctx: ReadContext) -> Prepared:
         if task.policy == "reset":
             return Prepared(nothing)
-        adapter = require_object(task, adapter)
         directory = f"{ctx.name}/{task.directory}"
-        reader = BackendReader(ctx.backend, directory, records=ctx.records)
-        sidecar = None
-        if f"{task.directory}/{SIDECAR_NAME}" in record.files:
-            path = f"{directory}/{SIDECAR_NAME}"
-            sidecar = decode_state(ctx.backend.read_bytes(path), ctx.backend.display(path))
-        metadata = reader.read_metadata()
-        # Items saved without a digest (before statereg recorded them) are checked by
-        # reading their files whole now, before anything live changes.
-        reader.verify_unchecked(metadata)
-        stored = dcp_tensor_metas(metadata)
-        targets = adapter.load_targets(stored, record.meta, ctx.strict, sidecar)
         group = ctx.world.process_group(task.collective)
+        # Every rank of the collective needs these alike: one reads, the others receive, and
+        # before anything that may fail on one rank only (the next step agrees on that).
+        sidecar_bytes = None
+        if f"{task.directory}/{SIDECAR_NAME}" in record.files:
+            sidecar_bytes = ctx.read_once(f"{directory}/{SIDECAR_NAME}", task.collective)
+        metadata = ctx.read_once(f"{directory}/{METADATA_NAME}", task.collective)
+        reader = GroupReader(ctx.backend, directory, ctx.records, metadata, ctx.world, group)
+        found, error = attempt(_checked_targets, task, record, adapter, ctx, reader,
+                               sidecar_bytes)
+        if group is None:
+            if error is not None:
+                raise error
+        else:
+            # One exchange: a failure on any rank, and whether every rank needs the same items
+            # (then each data file is read by one rank and broadcast: GroupReader).
+            prints = ctx.world.gather_checked(None if found is None else found[4], error,
+                                              f"checking component {task.component!r}", group)
+            reader.shared = len(prints) > 1 and prints[0] is not None and len(set(prints)) == 1
+        adapter, sidecar, stored, targets, _ = found
 
         def apply() -> None:
-            dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(),
-                     process_group=group, no_dist=group is None)
+            # Shared reads plan on each rank alone (their plans are equal); otherwise DCP
+            # plans over the collective and each rank reads the items it needs.
+            alone = reader.shared or group is None
+            try:
+                dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(),
+                         process_group=None if alone else group, no_dist=alone)
+            except BaseException as exc:
+                inner = unwrap_alone(exc) if alone else exc
+                if inner is exc:
+                    raise
+                raise inner from None  # this rank's own error, as a collective load raises it
             adapter.apply(targets, record.meta, sidecar)
 
         return Prepared(apply, keys=key_report(adapter, stored, record.meta, targets))
+
+
+def _checked_targets(task: LoadTask, record: ComponentRecord, adapter: Any, ctx: ReadContext,
+                     reader: GroupReader, sidecar_bytes: bytes | None,
+                     ) -> tuple[Any, Any, dict[str, Any], dict[str, Any], str | None]:
+    """The adapter, sidecar, stored tensor metas, load targets and their fingerprint."""
+    adapter = require_object(task, adapter)
+    sidecar = None
+    if sidecar_bytes is not None:
+        path = f"{ctx.name}/{task.directory}/{SIDECAR_NAME}"
+        sidecar = decode_state(sidecar_bytes, ctx.backend.display(path))
+    metadata = reader.read_metadata()
+    # Items saved without a digest (before statereg recorded them) are checked by
+    # reading their files whole now, before anything live changes.
+    reader.verify_unchecked(metadata)
+    stored = dcp_tensor_metas(metadata)
+    targets = adapter.load_targets(stored, record.meta, ctx.strict, sidecar)
+    return adapter, sidecar, stored, targets, _fingerprint(targets)
+
+
+def _fingerprint(targets: dict[str, Any]) -> str | None:
+    """What ranks must hold alike for one rank's read of an item to serve them all: every
+    target's name, type, shape and dtype. None when a target is a shard of a tensor
+    (DTensor): each rank then needs items of its own."""
+    described = []
+    for key, value in targets.items():
+        if isinstance(value, torch.Tensor):
+            if type(value) not in _PLAIN_TENSOR_TYPES:
+                return None
+            described.append((key, "tensor", tuple(value.shape), str(value.dtype)))
+        else:
+            described.append((key, type(value).__qualname__))
+    return hashlib.sha256(repr(described).encode()).hexdigest()
+
+
+def assign_files(sizes: Mapping[str, int], ranks: Sequence[int]) -> dict[str, int]:
+    """Each file to one rank, balancing bytes: the largest file first, to the rank holding
+    the fewest bytes so far (ties: the lower rank). Deterministic, so every rank computes it."""
+    held = dict.fromkeys(ranks, 0)
+    owners = {}
+    for path in sorted(sizes, key=lambda p: (-sizes[p], p)):
+        rank = min(ranks, key=lambda r: (held[r], r))
+        owners[path] = rank
+        held[rank] += sizes[path]
+    return owners
+
+
+class _KeepBytes:
+    """The load planner, keeping each non-tensor item's bytes as they load, to send on."""
+
+    def __init__(self, planner: LoadPlanner) -> None:
+        self.planner = planner
+        self.blobs: dict[tuple[MetadataIndex, MetadataIndex], bytes] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.planner, name)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        data = value.getvalue()
+        self.blobs[(read_item.storage_index, read_item.dest_index)] = data
+        self.planner.load_bytes(read_item, io.BytesIO(data))
+
+
+class GroupReader(BackendReader):
+    """BackendReader of one load task's directory for a rank of its collective.
+
+    `.metadata` comes as bytes, read once for the collective (ReadContext.read_once). With
+    `shared` set (every rank of the collective needs the same items: a replicated or global
+    component, a group's copy), each data file is read by one rank only (`assign_files`),
+    checked item by item as any read is, and its items are broadcast from that rank over the
+    collective's gloo group: the job reads each stored byte once. A failed read is raised
+    on every rank before anything is sent (a damaged item: CorruptCheckpointError on all).
+    """
+
+    def __init__(self, backend: StorageBackend, path: str,
+                 records: Mapping[str, FileRecord] | None, metadata: bytes, world: World,
+                 group: Any) -> None:
+        super().__init__(backend, path, records=records)
+        self.source = backend
+        self.metadata_bytes = metadata
+        self.world = world
+        self.group = group
+        self.shared = False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        where = self.source.display(f"{self.path}/{METADATA_NAME}")
+        metadata = load_dcp_metadata(self.metadata_bytes, where)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        if not self.shared:
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                                []).append(item)
+        sizes = {path: sum(self.storage_data[i.storage_index].length for i in items)
+                 for path, items in per_file.items()}
+        owners = assign_files(sizes, self.world.members(self.group))
+        rank = self.world.rank
+        mine = [i for path, items in per_file.items() if owners[path] == rank for i in items]
+        keeper = _KeepBytes(planner)
+        _, error = attempt(super().read_data, dataclasses.replace(plan, items=mine), keeper)
+        self.world.agree(error, f"reading {self.source.display(self.path)}", self.group)
+        for path in sorted(per_file):
+            items = sorted(per_file[path], key=lambda i: self.storage_data[i.storage_index].offset)
+            for item in items:
+                self._send(item, owners[path], planner, keeper)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _send(self, item: ReadItem, owner: int, planner: LoadPlanner, keeper: _KeepBytes,
+              ) -> None:
+        """Broadcast one item from the rank that read it into the same place on the others."""
+        mine = owner == self.world.rank
+        if item.type == LoadItemType.BYTE_IO:
+            key = (item.storage_index, item.dest_index)
+            blob = self.world.broadcast(keeper.blobs.get(key), src=owner, group=self.group)
+            if not mine:
+                planner.load_bytes(item, io.BytesIO(blob))
+            return
+        target = planner.resolve_tensor(item).detach()
+        if target.numel() == 0:
+            buffer = None
+        elif target.device.type == "cpu" and target.is_contiguous():
+            buffer = target  # received in place
+        else:
+            buffer = target.cpu().contiguous() if mine else torch.empty(
+                target.shape, dtype=target.dtype)
+        if buffer is not None:
+            dist.broadcast(buffer.reshape(-1).view(torch.uint8), src=owner, group=self.group)
+            if not mine and buffer is not target:
+                target.copy_(buffer)
+        if not mine:
+            planner.commit_tensor(item, target)

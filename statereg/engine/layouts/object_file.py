@@ -44,7 +44,8 @@ class ObjectFileLayout:
                     "checkpoint disagree: load an earlier checkpoint"
                 )
             full = f"{ctx.name}/{path}"
-            states.append(decode_object(task.format, ctx.backend.read_bytes(full),
+            # One copy (global, a group's): read by one rank of its collective, sent to all.
+            states.append(decode_object(task.format, ctx.read_once(full, task.collective),
                                         ctx.backend.display(full)))
         if adapter is None and task.policy == "reshard":
             raise SpecError(
