@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile, new_hasher
@@ -28,13 +29,14 @@ from statereg.engine.incremental import (
     reference_records,
     reuse_index,
 )
-from statereg.engine.layouts import LAYOUTS, Captured, WriteContext
+from statereg.engine.layouts import LAYOUTS, Captured
+from statereg.engine.layouts.dcp import PlannedWriteContext, SavePlans
 from statereg.engine.plan import RankPlan
 from statereg.engine.publish import commit
 from statereg.engine.report import Progress, describe_rate
 from statereg.engine.retention import apply_retention
-from statereg.engine.world import World, attempt
-from statereg.errors import CheckpointMismatchError, SpecError
+from statereg.engine.world import World, _describe, attempt, raise_own
+from statereg.errors import CheckpointMismatchError, SpecError, StateregError
 from statereg.schemas.manifest import (
     FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
@@ -69,16 +71,33 @@ def state_digest(spec: RegistrySpec, captured: list[Captured]) -> tuple[str, dic
     return hasher.hexdigest(), keys
 
 
-def check_consistency(world: World, spec: RegistrySpec, captured: list[Captured]) -> None:
+@dataclass(frozen=True)
+class SaveSummary:
+    """What one rank tells the others before a save, in one collective: the digest of its
+    declaration and shared key sets, and one digest per `replicated` component declared with
+    validate (empty on a single process, which has no other copy to compare)."""
+
+    state: str
+    replicas: dict[str, int]
+
+
+def summarize(spec: RegistrySpec, captured: list[Captured], world_size: int) -> SaveSummary:
+    replicas = ({comp: _combined(d) for comp, d in _replica_digests(captured).items()}
+                if world_size > 1 else {})
+    return SaveSummary(state_digest(spec, captured)[0], replicas)
+
+
+def check_consistency(world: World, spec: RegistrySpec, captured: list[Captured],
+                      summaries: list[SaveSummary]) -> None:
     """Every rank must save the same declaration and key sets; else name the rank and keys.
 
-    Mismatched key sets would make DCP's collectives wait forever.
+    Mismatched key sets would make DCP's collectives wait forever. `summaries` are every
+    rank's; the key sets themselves are exchanged only when the digests differ.
     """
-    digest, keys = state_digest(spec, captured)
-    digests = world.all_gather(digest)
+    digests = [summary.state for summary in summaries]
     if len(set(digests)) == 1:
         return
-    all_keys = world.all_gather(keys)
+    all_keys = world.all_gather(state_digest(spec, captured)[1])
     problems = []
     for rank, (other, theirs) in enumerate(zip(digests, all_keys, strict=True)):
         if other == digests[0]:
@@ -123,19 +142,16 @@ def _combined(digests: dict[str, int]) -> int:
     return hasher.intdigest()
 
 
-def check_replicas(world: World, captured: list[Captured]) -> None:
+def check_replicas(world: World, captured: list[Captured],
+                   summaries: list[SaveSummary]) -> None:
     """For `replicated` components declared with validate: every rank's copy must be equal.
 
-    A single process has no other copy to compare. Ranks exchange one digest per component,
-    and the per-tensor digests (to name the tensor) only when those differ.
+    `summaries` carry one digest per component and rank; the per-tensor digests (to name the
+    tensor) are exchanged only when those differ.
     """
-    if world.size <= 1:
+    if all(summary.replicas == summaries[0].replicas for summary in summaries):
         return
-    hashes = _replica_digests(captured)
-    summaries = world.all_gather({comp: _combined(d) for comp, d in hashes.items()})
-    if all(summary == summaries[0] for summary in summaries):
-        return
-    gathered = world.all_gather(hashes)
+    gathered = world.all_gather(_replica_digests(captured))
     for comp, mine in gathered[0].items():
         for key, digest in mine.items():
             differ = [r for r, theirs in enumerate(gathered) if theirs[comp][key] != digest]
@@ -249,13 +265,15 @@ class IncrementalState:
 
 def write_components(backend: StorageBackend, name: str, captured: list[Captured],
                      storage: StorageSpec, world: World, progress: Progress,
-                     incremental: IncrementalState | None = None) -> list[WrittenFile]:
+                     incremental: IncrementalState | None = None,
+                     plans: SavePlans | None = None) -> list[WrittenFile]:
     """Write this rank's files of every component through its layout; returns them relative
     to `name`.
 
     Components that need no collective (one process, or per-rank state) are written at the
     same time: on an object store each component's uploads would otherwise wait for the
-    slowest file of the one before.
+    slowest file of the one before. `plans`: the job's kept DCP plans, which components
+    whose plans are unchanged write by without a collective (layouts/dcp.py).
     """
     recorder = FileRecorder()
     reuse = None
@@ -265,7 +283,8 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
         def reuse(directory: str) -> Any:
             return reuse_index(backend, previous, directory)
 
-    ctx = WriteContext(backend, name, world, recorder, compression_settings(storage), reuse)
+    ctx = PlannedWriteContext(backend, name, world, recorder, compression_settings(storage),
+                              reuse, plans)
 
     def write(item: Captured) -> Any:
         learned = LAYOUTS[item.task.layout].write(item, ctx)
@@ -348,71 +367,121 @@ def _retain(backend: StorageBackend, spec: RegistrySpec, name: str) -> list[str]
 
 def save_checkpoint(backend: StorageBackend, spec: RegistrySpec, captured: list[Captured],
                     step: int, tokens_seen: int | None, extra: dict[str, Any],
-                    world: World) -> Committed:
+                    world: World, plans: SavePlans | None = None) -> Committed:
     """Write, commit (rank 0, after every rank reported its files) and apply retention.
 
     Any rank's failure is raised on every rank, and then nothing is committed (and the
-    directory's claim is released, so the same step can be saved again at once).
+    directory's claim is released, so the same step can be saved again at once). `plans`:
+    the job's DCP plans, kept from one save to the next (a Saver's), or None to plan afresh.
     """
     with claim_scope():
-        return _save_checkpoint(backend, spec, captured, step, tokens_seen, extra, world)
+        return _save_checkpoint(backend, spec, captured, step, tokens_seen, extra, world,
+                                plans)
+
+
+def _gather_on_leader(world: World, obj: Any) -> list[Any] | None:
+    """Every rank's `obj` on rank 0, in rank order, in one collective; None on other ranks.
+
+    What only the committing rank reads (file reports, item digests) goes to it alone:
+    an all-gather would send every rank's reports to every rank.
+    """
+    if not world.distributed:
+        return [obj]
+    out: list[Any] | None = [None] * world.size if world.rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=world.group)
+    return out
 
 
 def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
                      captured: list[Captured], step: int, tokens_seen: int | None,
-                     extra: dict[str, Any], world: World) -> Committed:
+                     extra: dict[str, Any], world: World, plans: SavePlans | None) -> Committed:
+    """The collectives, whatever the number of components, files and tensors: the claim's
+    agreement (with each rank's DCP plan digests), the previous checkpoint (incremental
+    saves only), every rank's reports to rank 0, and rank 0's outcome to every rank; DCP
+    adds four per component only when a component's plans changed (see docs/distributed.md).
+    """
     started = time.perf_counter()
     name = checkpoint_name(step)
-    error = None
+    shown = backend.display(name)
     claim: Claim | None = None  # rank 0's, which commits
-    if world.rank == 0:
+    digests, error = attempt(plans.digest, captured, world.rank) if plans else ({}, None)
+    if world.rank == 0 and error is None:
         # Refuses a committed step or one another live save holds; clears leftovers of an
         # interrupted save of it. commit() checks the claim is still this save's.
         claim, error = attempt(claim_checkpoint, backend, name)
-    world.agree(error, f"save of {name}")
+    gathered = world.gather_checked(digests, error, f"save of {name}")
+    if plans is not None:
+        plans.decide(gathered, world.rank)
     total = sum(c.nbytes for c in captured)
     incremental = None
     if spec.save.incremental:
         # Rank 0 picks the base and records it in its claim (retention keeps what a live
         # claim names); every rank references the same one.
-        previous = None
-        if world.rank == 0:
-            assert claim is not None
-            previous, error = attempt(hold_previous, backend, claim)
-        world.agree(error, f"save of {name}: finding the previous checkpoint")
-        incremental = IncrementalState(world.broadcast(previous))
+        incremental = IncrementalState(world.from_leader(hold_previous, backend, claim))
     with Progress(total, f"save {name}") as progress:
         files, error = attempt(write_components, backend, name, captured, spec.storage,
-                               world, progress, incremental)
-    world.agree(error, f"writing {backend.display(name)}")
-    reports = world.all_gather((files, incremental and (incremental.digests,
-                                                        incremental.referenced)))
-    committed: Committed | None = None
-    deleted: list[str] = []
+                               world, progress, incremental, plans)
+    report = None if error is not None else (
+        files, incremental and (incremental.digests, incremental.referenced),
+        plans.outgoing if plans is not None else {})
+    reports = _gather_on_leader(world, (None if error is None else _describe(error), report))
+    failure = commit_error = committed = None
     if world.rank == 0:
-        every_file = sorted({f.path: f for rank, _ in reports for f in rank}.values(),
-                            key=lambda f: f.path)
-        manifest = build_manifest(spec, captured, every_file, step, tokens_seen, extra,
-                                  world.size)
-        if incremental is not None:
-            referenced = {path for _, (_, paths) in reports for path in paths}
-            manifest = manifest.model_copy(update={
-                "references": reference_records(incremental.previous, referenced),
-                "digests": {k: v for _, (digests, _) in reports for k, v in digests.items()},
-            })
-        _, error = attempt(_check_then_commit, backend, name, manifest, claim,
-                           incremental.previous if incremental is not None else None)
-        committed = Committed(name, manifest)
-    world.agree(error, f"committing {backend.display(name)}")
-    committed = world.broadcast(committed)
+        assert reports is not None
+        failed = {r: problem for r, (problem, _) in enumerate(reports) if problem is not None}
+        if failed:
+            lines = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
+            failure = f"writing {shown} failed on {len(failed)} of {world.size} ranks ({lines})"
+        else:
+            committed, commit_error = attempt(_commit_reports, backend, spec, captured, name,
+                                              [r for _, r in reports], step, tokens_seen,
+                                              extra, world.size, claim, incremental, plans)
+            if commit_error is not None:
+                failure = (f"committing {shown} failed on 1 of {world.size} ranks "
+                           f"(rank 0: {_describe(commit_error)})")
+    failure, committed = world.broadcast((failure, committed))
+    if error is not None:
+        raise_own(error, f"writing {shown}", world.rank)
+    if commit_error is not None:
+        raise_own(commit_error, f"committing {shown}", world.rank)
+    if failure is not None:
+        raise StateregError(failure)
+    assert committed is not None
+    if plans is not None:
+        plans.commit()
+    deleted: list[str] = []
     if world.rank == 0:
         deleted = _retain(backend, spec, name)
     elapsed = time.perf_counter() - started
     if world.rank == 0:  # once per job, not once per rank
         logger.info(
             "saved %s on %d rank(s): %d components, %d files, %s%s",
-            backend.display(name), world.size, len(committed.manifest.components),
+            shown, world.size, len(committed.manifest.components),
             len(committed.manifest.files), describe_rate(committed.manifest.total_bytes, elapsed),
             f"; retention removed {', '.join(deleted)}" if deleted else "",
         )
     return committed
+
+
+def _commit_reports(backend: StorageBackend, spec: RegistrySpec, captured: list[Captured],
+                    name: str, reports: list[Any], step: int, tokens_seen: int | None,
+                    extra: dict[str, Any], world_size: int, claim: Claim | None,
+                    incremental: IncrementalState | None,
+                    plans: SavePlans | None) -> Committed:
+    """On rank 0: the `.metadata` of components written by kept plans, then the manifest of
+    every rank's files, committed."""
+    written = plans.finish([outgoing for _, _, outgoing in reports]) if plans else []
+    prefix = f"{name}/"
+    written = [WrittenFile(f.path.removeprefix(prefix), f.size, f.checksum) for f in written]
+    every_file = sorted({f.path: f for files, _, _ in reports for f in [*files, *written]}
+                        .values(), key=lambda f: f.path)
+    manifest = build_manifest(spec, captured, every_file, step, tokens_seen, extra, world_size)
+    previous = incremental.previous if incremental is not None else None
+    if incremental is not None:
+        referenced = {path for _, (_, paths), _ in reports for path in paths}
+        manifest = manifest.model_copy(update={
+            "references": reference_records(previous, referenced),
+            "digests": {k: v for _, (digests, _), _ in reports for k, v in digests.items()},
+        })
+    _check_then_commit(backend, name, manifest, claim, previous)
+    return Committed(name, manifest)

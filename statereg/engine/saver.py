@@ -18,6 +18,7 @@ from typing import Any
 from statereg.backends.base import StorageBackend
 from statereg.engine.checkpoints import Committed, checkpoint_name
 from statereg.engine.layouts import Captured
+from statereg.engine.layouts.dcp import SavePlans
 from statereg.engine.plan import RankPlan
 from statereg.engine.save import (
     capture,
@@ -25,6 +26,7 @@ from statereg.engine.save import (
     check_extra,
     check_replicas,
     save_checkpoint,
+    summarize,
 )
 from statereg.engine.staging import StagingArea, loop_stream
 from statereg.engine.world import World, attempt
@@ -72,6 +74,8 @@ class Saver:
         self._inflight: Future[Committed] | None = None
         self._staged: Future[None] | None = None
         self._failure: tuple[str, float] | None = None  # what the last background failure was
+        # DCP plans kept from one save to the next: a save of unchanged shapes reuses them.
+        self._plans = SavePlans()
 
     def save(self, plan: RankPlan, adapters: dict[str, Any], step: int,
              tokens_seen: int | None, extra: dict[str, Any] | None) -> SaveHandle:
@@ -85,12 +89,15 @@ class Saver:
         extra = check_extra(extra)
         world = self.world
         captured, error = attempt(capture, plan, adapters)
-        world.agree(error, f"save of step {step}: reading state")
-        check_consistency(world, self.spec, captured)
-        _, error = attempt(check_replicas, world, captured)
-        world.agree(error, f"save of step {step}: validating replicas")
+        summary = None
+        if error is None:
+            summary, error = attempt(summarize, self.spec, captured, world.size)
+        # One collective: every rank's failure, declaration digest and replica digests.
+        summaries = world.gather_checked(summary, error, f"save of step {step}: reading state")
+        check_consistency(world, self.spec, captured, summaries)
+        check_replicas(world, captured, summaries)
         args = (self.backend, self.spec)
-        rest = (step, tokens_seen, extra, world)
+        rest = (step, tokens_seen, extra, world, self._plans)
         url = self.backend.display(checkpoint_name(step))
         if self.spec.save.async_mode == "off":
             save_checkpoint(*args, captured, *rest)
