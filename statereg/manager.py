@@ -24,6 +24,7 @@ from statereg.engine.load import LoadResult, load_checkpoint, select_components
 from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
 from statereg.engine.retention import best_checkpoints
 from statereg.engine.saver import SaveHandle, Saver
+from statereg.engine.signals import SignalGuard
 from statereg.engine.tiers import TierEngine
 from statereg.engine.verify import VerifyMode
 from statereg.engine.world import World
@@ -87,6 +88,8 @@ class CheckpointManager:
         # With `tiers:`, saves go to memory and drain to storage.url (docs/tiers.md).
         self._tiers = (None if self.spec.tiers is None
                        else TierEngine(self.spec, self._backend, self.world, self._adapters))
+        # on_signal: finish the save in flight, flush to storage.url, exit (docs/tiers.md).
+        self._signals = SignalGuard.install(self, self._saver, self._tiers)
 
     # -- saving -------------------------------------------------------------------------
 
@@ -353,7 +356,11 @@ class CheckpointManager:
             if self._tiers is not None:
                 self._tiers.close()
         finally:
-            self._saver.close()
+            try:
+                self._saver.close()
+            finally:
+                if self._signals is not None:  # after the drain: a signal meanwhile flushes
+                    self._signals.uninstall()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -421,6 +421,48 @@ class TiersSpec(_Declared):
         return self
 
 
+SignalName = Literal["SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"]
+
+
+class SignalSpec(_Declared):
+    """What a declared signal does: finish the save in flight, flush the newest memory
+    checkpoint to storage.url within grace_s, and exit (docs/tiers.md#signals)."""
+
+    signals: list[SignalName] = Field(
+        min_length=1,
+        description="The signals that flush and exit, e.g. [SIGTERM, SIGUSR1]: what a "
+        "scheduler sends before it kills a job (torchrun forwards SIGTERM to every rank).",
+    )
+    grace_s: float = Field(
+        default=25.0, gt=0,
+        description="Seconds from the signal to the exit: the process exits by then even if "
+        "the flush is unfinished (storage.url then keeps its previous checkpoint). Keep it "
+        "below the scheduler's kill delay (torchrun, Kubernetes and Slurm send SIGKILL 30 s "
+        "after SIGTERM by default).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _list_shorthand(cls, data: Any) -> Any:
+        # `on_signal: [SIGTERM, SIGUSR1]` (or one name) is short for `{signals: [...]}`.
+        if isinstance(data, str):
+            return {"signals": [data]}
+        return {"signals": data} if isinstance(data, list) else data
+
+    @field_validator("signals", mode="before")
+    @classmethod
+    def _catchable_once(cls, signals: Any) -> Any:
+        if isinstance(signals, list):
+            for name in signals:
+                if name in ("SIGKILL", "SIGSTOP"):
+                    raise ValueError(f"{name} cannot be caught, so nothing can run on it: "
+                                     "declare SIGTERM, which schedulers send before SIGKILL")
+            repeated = sorted({n for n in signals if signals.count(n) > 1}, key=str)
+            if repeated:
+                raise ValueError(f"{', '.join(map(str, repeated))} listed more than once")
+        return signals
+
+
 class ProfileSpec(_Declared):
     """A named selection of components for load(profile=...), e.g. a fine-tune."""
 
@@ -449,6 +491,13 @@ class RegistrySpec(_Declared):
         description="Which copy load() resumes from: nearest, the newest step complete on "
         "every rank in some tier, memory first (the durable tier is read only when it holds "
         "a newer step).",
+    )
+    on_signal: SignalSpec | None = Field(
+        default=None,
+        description="On a declared signal: finish the save in flight, flush the newest memory "
+        "checkpoint to storage.url (with tiers) within grace_s, and exit with status "
+        "128 + the signal's number (docs/tiers.md#signals). Without tiers: finish the save in "
+        "flight (an async save commits) and exit.",
     )
 
     @field_validator("components")

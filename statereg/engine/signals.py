@@ -1,0 +1,248 @@
+"""On a declared signal (`on_signal`): finish the save in flight, flush the newest memory
+checkpoint to storage.url within the grace period, and exit (docs/tiers.md#signals).
+
+    signal -> handler (main thread): note it, start the grace watchdog, stop the DataLoader's
+              SIGCHLD handler from raising into the flush (its workers die with the group)
+              inside save()? -> act when that save returns (or raises)
+              otherwise      -> act now
+    act    -> the flushing rank (rank 0, or every rank without tiers): wait for the drain /
+              async save in flight, copy the newest memory checkpoint to storage.url unless it
+              is there, log one line, tell the other ranks, exit with status 128 + signum
+    other ranks (tiers) -> a thread waits for rank 0's word (or the deadline) and exits; the
+              main thread carries on meanwhile, so a save rank 0 is in still completes
+
+Nothing here runs a collective after the signal, nor touches the dataloader. The exit is
+os._exit: no atexit handler, DataLoader teardown or process-group shutdown can hang it, and
+a watchdog thread exits at the deadline whatever the main thread is doing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Protocol
+
+from statereg.errors import SpecError
+
+if TYPE_CHECKING:
+    from statereg.engine.saver import Saver
+    from statereg.engine.tiers import TierEngine
+    from statereg.engine.world import World
+    from statereg.schemas.spec import RegistrySpec
+
+logger = logging.getLogger("statereg")
+
+# Rank 0 writes `<prefix><token>` into the memory folder every rank shares when its flush is
+# over; the token is drawn at construction, so a restarted job never reads an old one.
+FLUSHED_PREFIX = "signal-flushed-"
+_POLL_S = 0.02
+
+
+def exit_status(signum: int) -> int:
+    """The status a process exits with after acting on `signum`: 128 + its number (143 for
+    SIGTERM), what a shell reports for a process that signal ended."""
+    return 128 + signum
+
+
+def _exit(status: int) -> None:
+    """Leave now: only the standard streams are flushed (their last lines are the log)."""
+    for stream in (sys.stdout, sys.stderr):
+        # A closed or broken stream must not keep the process alive.
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+def _quiet_sigchld() -> None:
+    """Stop the DataLoader's SIGCHLD handler, which raises RuntimeError in the main thread
+    when a worker dies: a signal sent to the process group kills the workers too, and the
+    error would otherwise abort the save in flight or the flush."""
+    sigchld = getattr(signal, "SIGCHLD", None)
+    if sigchld is not None:
+        signal.signal(sigchld, signal.SIG_DFL)
+
+
+class GuardedManager(Protocol):
+    """What the guard needs of the CheckpointManager (a layer above the engine)."""
+
+    spec: RegistrySpec
+    world: World
+    save: Callable[..., Any]
+
+
+class SignalGuard:
+    """The handlers of one CheckpointManager for the signals its spec declares."""
+
+    def __init__(self, manager: GuardedManager, saver: Saver,
+                 tiers: TierEngine | None) -> None:
+        declared = manager.spec.on_signal
+        assert declared is not None
+        self.signals = [signal.Signals[name] for name in declared.signals]
+        self.grace_s = declared.grace_s
+        self.rank = manager.world.rank
+        self._manager = manager
+        self._saver = saver
+        self._tiers = tiers
+        # With tiers rank 0 drains the memory folder every rank shares: it flushes for all.
+        self._follower = tiers is not None and self.rank != 0
+        self._flushed: str | None = None
+        if tiers is not None and manager.world.size > 1:
+            token = manager.world.broadcast(uuid.uuid4().hex if self.rank == 0 else None)
+            self._flushed = FLUSHED_PREFIX + token
+            if self.rank == 0:
+                self._clear_old_words(tiers)
+        self._saving = 0
+        self._received: int | None = None
+        self._since = 0.0
+        self._previous: dict[signal.Signals, Any] = {}
+        # Started now, not in the handler: a handler may run inside Thread.start() or a
+        # lock the main thread holds, where starting a thread can fail or deadlock.
+        self._signalled = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="statereg-signal",
+                                         daemon=True)
+        self._watcher.start()
+
+    @classmethod
+    def install(cls, manager: GuardedManager, saver: Saver,
+                tiers: TierEngine | None) -> SignalGuard | None:
+        """Handle the spec's `on_signal` for `manager` until close; None when none declared."""
+        if manager.spec.on_signal is None:
+            return None
+        if threading.current_thread() is not threading.main_thread():
+            raise SpecError(
+                f"on_signal {manager.spec.on_signal.signals}: Python handles signals in the main "
+                "thread only, so construct the CheckpointManager there, or remove on_signal"
+            )
+        guard = cls(manager, saver, tiers)
+        for signum in guard.signals:
+            guard._previous[signum] = signal.signal(signum, guard._handle)
+        # An attribute of this manager only, removed at uninstall: the class's save() runs.
+        manager.save = guard._around(manager.save)
+        return guard
+
+    def uninstall(self) -> None:
+        """Give the signals back to the handlers they had before (main thread only), and
+        end the watching thread unless a signal is being acted on."""
+        vars(self._manager).pop("save", None)
+        if self._received is None:
+            self._signalled.set()
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _clear_old_words(self, tiers: TierEngine) -> None:
+        """Remove the flush notes of earlier runs of this job (one small file each)."""
+        try:
+            for name in tiers.memory.list_dir(""):
+                if name.startswith(FLUSHED_PREFIX):
+                    tiers.memory.remove_file(name)
+        except Exception as exc:  # a leftover note is harmless: its token is never drawn again
+            logger.debug("could not clear old signal notes in %s: %s", tiers.memory.url, exc)
+
+    # -- the signal --------------------------------------------------------------------
+
+    def _around(self, save: Callable[..., Any]) -> Callable[..., Any]:
+        """save() counting itself as in flight, acting after it on a signal that came during."""
+
+        @functools.wraps(save)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self._saving += 1
+            try:
+                return save(*args, **kwargs)
+            finally:
+                self._saving -= 1
+                if self._received is not None and not self._saving and not self._follower:
+                    self._act()
+
+        return guarded
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._received is not None:
+            return  # already acting on a signal: a repeated one changes nothing
+        self._received, self._since = signum, time.monotonic()
+        _quiet_sigchld()
+        self._signalled.set()
+        if self._follower:
+            return  # the watching thread exits once rank 0 has flushed
+        if self._saving:
+            logger.warning("%s: finishing the save in flight first", self._name())
+        else:
+            self._act()
+
+    def _name(self) -> str:
+        assert self._received is not None
+        return f"rank {self.rank}: {signal.Signals(self._received).name}"
+
+    def _status(self) -> int:
+        assert self._received is not None
+        return exit_status(self._received)
+
+    def _watch(self) -> None:
+        """After a signal: on a rank other than 0 (tiers), exit once rank 0 has flushed;
+        on every rank, exit when the grace period is over, whatever the main thread does."""
+        self._signalled.wait()
+        if self._received is None:
+            return  # uninstalled: no signal came
+        deadline = self._since + self.grace_s
+        while time.monotonic() < deadline:
+            if self._follower and self._rank_zero_flushed():
+                logger.warning("%s: rank 0 flushed, %.2f s after the signal; exiting with "
+                               "status %d", self._name(), time.monotonic() - self._since,
+                               self._status())
+                _exit(self._status())
+            time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+        logger.error("%s: on_signal.grace_s %.1f s is over before the flush finished: "
+                     "exiting with status %d; storage.url keeps its earlier checkpoints",
+                     self._name(), self.grace_s, self._status())
+        _exit(self._status())
+
+    def _rank_zero_flushed(self) -> bool:
+        assert self._tiers is not None and self._flushed is not None
+        try:
+            return self._tiers.memory.exists(self._flushed)
+        except Exception as exc:  # the node's tmpfs: ask again until the deadline
+            logger.debug("checking for rank 0's flush: %s", exc)
+            return False
+
+    def _act(self) -> None:
+        """Flush, say what was flushed and how long it took, tell the other ranks, exit."""
+        try:
+            done, failed = self._flush(), False
+        except BaseException as exc:
+            done, failed = (f"the flush failed ({type(exc).__name__}: {exc}); storage.url "
+                            "keeps its earlier checkpoints"), True
+        (logger.error if failed else logger.warning)(
+            "%s: %s, %.2f s after the signal; exiting with status %d",
+            self._name(), done, time.monotonic() - self._since, self._status())
+        if self._flushed is not None and self._tiers is not None:
+            try:
+                self._tiers.memory.write_bytes(self._flushed, b"done\n")
+            except Exception as exc:  # the other ranks then exit at the deadline
+                logger.error("%s: could not tell the other ranks (%s)", self._name(), exc)
+        _exit(self._status())
+
+    def _flush(self) -> str:
+        """What this rank owes storage.url on a signal, done; a phrase saying what it was."""
+        if self._tiers is None:
+            self._saver.wait()
+            return f"every save to {self._manager.spec.storage.url} is committed"
+        name, copied = self._tiers.flush()
+        if name is None:
+            return f"no memory checkpoint in {self._tiers.memory.url} to flush"
+        if copied:
+            return (f"flushed {self._tiers.memory.display(name)} to "
+                    f"{self._tiers.durable.display(name)}")
+        return (f"the newest memory checkpoint is already in "
+                f"{self._tiers.durable.display(name)}")

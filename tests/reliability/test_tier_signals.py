@@ -1,0 +1,367 @@
+"""Signals (docs/tiers.md#signals): on a declared signal the trainer finishes the save in
+flight, flushes the newest memory checkpoint to storage.url within on_signal.grace_s, and
+exits with status 128 + signum, even though the signal also killed its DataLoader workers.
+
+Run as a script, this file is the trainer: `python test_tier_signals.py MODE ROOT` trains a
+tiny model with AdamW on batches from a DataLoader with two worker processes, saving every
+step (memory every 2, drained every 8) under ROOT, until a signal ends it. MODE:
+- drill: prints `started` once the first memory checkpoint is committed;
+- mid_save: holds the memory save of step 6 after its second file (writes ROOT/reached);
+- no_tiers: no tiers, `save.async: thread`; holds step 3's background write (ROOT/reached)
+  and stops saving;
+- slow_drain: grace_s 1; holds the drain of step 8 for a minute (ROOT/reached).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import statereg
+from statereg.backends.local import LocalBackend
+from statereg.backends.registry import open_backend
+from statereg.backends.shm import SharedMemoryBackend
+from statereg.engine.checkpoints import list_committed
+from statereg.engine.verify import verify_files
+from statereg.errors import SpecError
+
+GRACE_S = 10.0
+RUNS = 20
+SEED = int(os.environ.get("STATEREG_SIGNAL_DRILL_SEED", "1616"))
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+
+def spec(root: Path, mode: str = "drill") -> dict[str, Any]:
+    declared: dict[str, Any] = {
+        "storage": {"url": str(root / "durable")},
+        "components": {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}},
+        "tiers": {"memory": {"every": 2, "keep_last": 2},
+                  "durable": {"every": 8, "keep_last": 2}},
+        "on_signal": {"signals": ["SIGTERM", "SIGUSR1"],
+                      "grace_s": 1.0 if mode == "slow_drain" else GRACE_S},
+    }
+    if mode == "no_tiers":
+        del declared["tiers"]
+        declared["save"] = {"async": "thread"}
+        declared["on_signal"] = ["SIGTERM"]
+    return declared
+
+
+def batches(workers: int) -> Iterator[torch.Tensor]:
+    """The same batches in every process, epoch after epoch, from `workers` processes."""
+    data = torch.utils.data.TensorDataset(torch.randn(512, 8, generator=torch.Generator()
+                                                      .manual_seed(7)))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=workers)
+    while True:
+        for (batch,) in loader:
+            yield batch
+
+
+class Trainee:
+    """A tiny model and AdamW whose state after step s is the same bits in every process."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                         torch.nn.Linear(16, 4))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+
+    def step(self, batch: torch.Tensor) -> None:
+        self.model(batch).square().mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        found = {f"model.{k}": v.clone() for k, v in self.model.state_dict().items()}
+        for index, state in self.optimizer.state_dict()["state"].items():
+            found.update({f"opt.{index}.{k}": torch.as_tensor(v).clone()
+                          for k, v in state.items()})
+        return found
+
+
+def hold(root: Path, mode: str) -> None:
+    """Make the save of `mode` stop for a while, after writing ROOT/reached."""
+    victim, tier, seconds = {"mid_save": ("step_00000006/", "memory", 1.5),
+                             "no_tiers": ("step_00000003/", "durable", 1.5),
+                             "slow_drain": ("step_00000008/", "durable", 60.0)}[mode]
+    opened: list[str] = []
+    open_write = LocalBackend.open_write
+
+    def held_open_write(self: Any, path: str, on_done: Any = None) -> Any:
+        if path.startswith(victim) and isinstance(self, SharedMemoryBackend) == (
+                tier == "memory"):
+            opened.append(path)
+            if len(opened) == 2:
+                written = root / "reached.tmp"  # renamed: the test never reads it half-written
+                written.write_text(threading.current_thread().name)
+                written.rename(root / "reached")
+                time.sleep(seconds)
+        return open_write(self, path, on_done)
+
+    LocalBackend.open_write = held_open_write  # type: ignore[method-assign]
+
+
+def train(mode: str, root: Path) -> None:
+    if mode != "drill":
+        hold(root, mode)
+    trainee = Trainee()
+    mgr = statereg.CheckpointManager(spec(root, mode), model=trainee.model,
+                                     optimizer=trainee.optimizer)
+    for step, batch in enumerate(batches(workers=2), start=1):
+        trainee.step(batch)
+        mgr.save(step)
+        if mode == "drill" and step == 2:
+            print("started", flush=True)
+        if mode == "no_tiers" and step == 3:
+            while True:  # the signal comes while the async save is held, outside save()
+                time.sleep(0.05)
+
+
+def trained(steps: int) -> dict[str, torch.Tensor]:
+    """The reference: `steps` steps in this process, batches from a loader without workers."""
+    trainee = Trainee()
+    for step, batch in enumerate(batches(workers=0), start=1):
+        if step > steps:
+            break
+        trainee.step(batch)
+    return trainee.tensors()
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """A private folder on the real tmpfs (/dev/shm) where there is one, else on disk."""
+    if os.access("/dev/shm", os.W_OK):
+        shm = Path(tempfile.mkdtemp(prefix="statereg-signals-", dir="/dev/shm"))
+    else:
+        shm = tmp_path / "shm"
+        shm.mkdir()
+    values = {"STATEREG_SHM_DIR": str(shm), "STATEREG_NODE": "node0",
+              "STATEREG_RUN_ID": "signals"}
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    yield values
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def start(mode: str, root: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """The trainer in a session of its own: killpg reaches it and its DataLoader workers,
+    as a scheduler's signal does."""
+    root.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, __file__, mode, str(root)],
+                            env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid`'s main thread started (the DataLoader forks its workers there)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def wait_for(path: Path, process: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def terminate(process: subprocess.Popen[str], signum: int = signal.SIGTERM,
+              ) -> tuple[float, str]:
+    """Signal the trainer's process group; seconds until it exited, and its stderr."""
+    sent = time.monotonic()
+    os.killpg(process.pid, signum)
+    _, err = process.communicate(timeout=GRACE_S + 20)
+    return time.monotonic() - sent, err
+
+
+def assert_durable_whole(root: Path) -> list[int]:
+    """Every checkpoint storage.url shows verifies file by file; its steps."""
+    durable = open_backend(str(root / "durable"))
+    committed = list_committed(durable)
+    for checkpoint in committed:
+        verify_files(durable, checkpoint.name, checkpoint.manifest.files, "full")
+    return [c.step for c in committed]
+
+
+def newest_memory_step(root: Path) -> int:
+    trainee = Trainee()
+    with statereg.CheckpointManager(spec(root), model=trainee.model,
+                                    optimizer=trainee.optimizer) as mgr:
+        assert mgr._tiers is not None
+        return list_committed(mgr._tiers.memory)[-1].step
+
+
+def assert_loads_bit_identically(root: Path, step: int, mode: str = "drill") -> None:
+    """A fresh manager loads `step` from storage.url exactly as a run that never stopped."""
+    trainee = Trainee()
+    with statereg.CheckpointManager(spec(root, mode), model=trainee.model,
+                                    optimizer=trainee.optimizer) as mgr:
+        result = mgr.load(step=step)
+    assert result is not None and result.path == str(root / "durable" / f"step_{step:08d}")
+    expected, got = trained(step), trainee.tensors()
+    assert expected.keys() == got.keys()
+    assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+
+
+def drill_once(moment: float, root: Path, env: dict[str, str]) -> tuple[float, str, int]:
+    """One trainer, SIGTERMed `moment` s after it reported started, with its workers."""
+    process = start("drill", root, env)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line == "started\n", (line, process.communicate()[1][-3000:])
+    assert len(children(process.pid)) >= 2  # the DataLoader's workers
+    time.sleep(moment)
+    took, err = terminate(process)
+    assert process.returncode == 128 + signal.SIGTERM, err[-6000:]
+    return took, err, process.returncode
+
+
+def test_sigterm_at_20_random_moments_flushes_the_newest_memory_checkpoint(
+        tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    moments = [round(random.Random(SEED + i).uniform(0.0, 0.6), 3) for i in range(RUNS)]
+    print(f"SIGTERM drill: seed {SEED} (STATEREG_SIGNAL_DRILL_SEED), moments {moments}")
+    roots = [tmp_path / f"run{i:02d}" for i in range(RUNS)]
+    # Two trainers at a time, each with its own run id (its own memory folder).
+    envs = [{**env, "STATEREG_RUN_ID": f"signals{i:02d}"} for i in range(RUNS)]
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(drill_once, moments, roots, envs))
+    print(f"seconds from SIGTERM to exit: {[round(took, 2) for took, _, _ in outcomes]}")
+    for i, (root, (took, err, _)) in enumerate(zip(roots, outcomes, strict=True)):
+        assert took < GRACE_S, (i, took)
+        flushed = re.findall(r"rank 0: SIGTERM: (.*), ([0-9.]+) s after the signal; exiting "
+                             r"with status 143", err)
+        assert len(flushed) == 1, (i, err[-3000:])
+        monkeypatch.setenv("STATEREG_RUN_ID", envs[i]["STATEREG_RUN_ID"])
+        newest = newest_memory_step(root)
+        assert f"step_{newest:08d}" in flushed[0][0], (i, flushed)
+        assert newest in assert_durable_whole(root), i
+        assert_loads_bit_identically(root, newest)
+
+
+def test_a_signal_during_a_save_waits_for_that_save_then_flushes_it(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    process = start("mid_save", tmp_path, env)
+    wait_for(tmp_path / "reached", process)  # the memory save of step 6 is held mid-way
+    took, err = terminate(process)
+
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert took < GRACE_S
+    assert "rank 0: SIGTERM: finishing the save in flight first" in err
+    assert re.search(r"rank 0: SIGTERM: flushed shm://signals/ws1-[0-9a-f]+/step_00000006 to "
+                     r"\S+/durable/step_00000006, [0-9.]+ s after the signal", err), err
+    assert 6 in assert_durable_whole(tmp_path)
+    assert_loads_bit_identically(tmp_path, 6)
+
+
+def test_without_tiers_a_signal_commits_the_async_save_in_flight_and_exits(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    process = start("no_tiers", tmp_path, env)
+    wait_for(tmp_path / "reached", process)  # step 3's background write is held
+    assert (tmp_path / "reached").read_text().startswith("statereg")  # not the main thread
+    took, err = terminate(process)
+
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert took < GRACE_S
+    durable = tmp_path / "durable"
+    assert f"rank 0: SIGTERM: every save to {durable} is committed" in err
+    assert assert_durable_whole(tmp_path) == [1, 2, 3]
+    assert_loads_bit_identically(tmp_path, 3, "no_tiers")
+
+
+def test_a_flush_longer_than_the_grace_period_exits_at_its_end_leaving_no_partial_copy(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    process = start("slow_drain", tmp_path, env)
+    wait_for(tmp_path / "reached", process)  # the drain of step 8 is held for a minute
+    took, err = terminate(process, signal.SIGUSR1)
+
+    assert process.returncode == 128 + signal.SIGUSR1, err[-3000:]
+    assert 1.0 <= took < 5.0
+    assert ("rank 0: SIGUSR1: on_signal.grace_s 1.0 s is over before the flush finished: "
+            "exiting with status 138; storage.url keeps its earlier checkpoints") in err
+    assert 8 not in assert_durable_whole(tmp_path)
+
+
+def test_handlers_are_installed_for_the_manager_and_given_back_at_close(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    def before(signum: int, frame: Any) -> None:
+        raise AssertionError("not called while the manager is open")
+
+    previous = signal.signal(signal.SIGUSR1, before)
+    try:
+        trainee = Trainee()
+        mgr = statereg.CheckpointManager(spec(tmp_path), model=trainee.model,
+                                         optimizer=trainee.optimizer)
+        assert signal.getsignal(signal.SIGUSR1) == mgr._signals._handle
+        assert signal.getsignal(signal.SIGTERM) == mgr._signals._handle
+        watcher = mgr._signals._watcher
+        mgr.close()
+        watcher.join(timeout=5)
+        assert not watcher.is_alive()  # no thread is left behind by a closed manager
+        assert signal.getsignal(signal.SIGUSR1) is before
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert "save" not in vars(mgr)  # save() is the class's again
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_on_signal_is_refused_outside_the_main_thread(tmp_path: Path,
+                                                      env: dict[str, str]) -> None:
+    trainee = Trainee()
+    failure: list[BaseException] = []
+
+    def construct() -> None:
+        try:
+            statereg.CheckpointManager(spec(tmp_path), model=trainee.model,
+                                       optimizer=trainee.optimizer)
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=construct)
+    thread.start()
+    thread.join()
+    assert len(failure) == 1 and isinstance(failure[0], SpecError)
+    assert str(failure[0]) == (
+        "on_signal ['SIGTERM', 'SIGUSR1']: Python handles signals in the main thread only, "
+        "so construct the CheckpointManager there, or remove on_signal")
+
+
+@pytest.mark.parametrize(("declared", "message"), [
+    (["SIGKILL"], "SIGKILL cannot be caught, so nothing can run on it: declare SIGTERM, "
+                  "which schedulers send before SIGKILL"),
+    (["SIGTERM", "SIGTERM"], "SIGTERM listed more than once"),
+    ({"signals": ["SIGTERM"], "grace": 5}, "unknown field 'grace'; allowed fields: grace_s, "
+                                           "signals"),
+    ({"signals": ["SIGTERM"], "grace_s": 0}, "Input should be greater than 0"),
+])
+def test_a_wrong_on_signal_is_refused_naming_the_field(
+        tmp_path: Path, declared: Any, message: str) -> None:
+    with pytest.raises(SpecError) as refused:
+        statereg.load_spec({**spec(tmp_path), "on_signal": declared})
+    assert "on_signal" in str(refused.value) and message in str(refused.value)
+
+
+def test_on_signal_shorthands_are_the_long_form(tmp_path: Path) -> None:
+    long = statereg.load_spec({**spec(tmp_path), "on_signal": {"signals": ["SIGTERM"]}})
+    for short in ("SIGTERM", ["SIGTERM"]):
+        assert statereg.load_spec({**spec(tmp_path), "on_signal": short}) == long
+    assert long.on_signal is not None and long.on_signal.grace_s == 25.0
+
+
+if __name__ == "__main__":
+    train(sys.argv[1], Path(sys.argv[2]))
