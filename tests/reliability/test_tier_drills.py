@@ -27,13 +27,11 @@ import tempfile
 import threading
 import traceback
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytest
 import torch
 from reliability_kit import KILLED, assert_identical, run_child
 from tqdm import tqdm
@@ -45,6 +43,9 @@ from statereg.backends.registry import open_backend
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.engine.checkpoints import list_committed
 from statereg.engine.verify import verify_files
+
+if TYPE_CHECKING:
+    import pytest
 
 STEPS = 12
 MEMORY_EVERY, DURABLE_EVERY = 2, 4
@@ -246,11 +247,14 @@ def resume(root: str, env: dict[str, str]) -> None:
     torch.save(report, f"{root}/resumed.pt")
 
 
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    """A private folder on the real tmpfs (/dev/shm) where there is one, else on disk."""
+def private_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                request: pytest.FixtureRequest) -> dict[str, str]:
+    """A private folder on the real tmpfs (/dev/shm) where there is one, else on disk; the
+    environment naming it (set here, and given to each forked child). Not a fixture: every
+    trainer imports this module, and importing pytest would cost each one a second."""
     if os.access("/dev/shm", os.W_OK):
         shm = Path(tempfile.mkdtemp(prefix="statereg-drill-", dir="/dev/shm"))
+        request.addfinalizer(lambda: shutil.rmtree(shm, ignore_errors=True))
     else:
         shm = tmp_path / "shm"
         shm.mkdir()
@@ -258,8 +262,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, s
               "STATEREG_RUN_ID": "drill"}
     for key, value in values.items():
         monkeypatch.setenv(key, value)
-    yield values
-    shutil.rmtree(shm, ignore_errors=True)
+    return values
 
 
 def committed_steps(backend: Any) -> list[int]:
@@ -310,7 +313,8 @@ def choose(events: list[Event], count: int, seed: int) -> list[Event]:
 
 def drill(base: Path, env: dict[str, str], point: Event, number: int) -> dict[str, Any]:
     """Kill the trainer at `point`, check what the disk holds, resume in a fresh process.
-    Returns what the parent asserts: the copy the disk says is newest, and the report."""
+    Returns what the parent asserts: the step the disk says is newest and its tier, the
+    resumed run's report, and the steps each tier holds at its end (all verified)."""
     root = base / f"point{number:02d}"
     root.mkdir()
     child_env = {**env, "STATEREG_RUN_ID": f"point{number:02d}"}
@@ -319,7 +323,8 @@ def drill(base: Path, env: dict[str, str], point: Event, number: int) -> dict[st
     assert (root / "reached").read_text() == str(point)
     durable = open_backend(str(root / "durable"))
     in_durable = assert_whole(durable)  # never a partial checkpoint
-    folder = memory_root(env, child_env["STATEREG_RUN_ID"])
+    run_id = child_env["STATEREG_RUN_ID"]
+    folder = memory_root(env, run_id)
     in_memory = assert_whole(open_backend(str(folder))) if folder else []
     newest = max(in_memory + in_durable, default=None)
     code = run_child(resume, str(root), child_env)
@@ -328,12 +333,13 @@ def drill(base: Path, env: dict[str, str], point: Event, number: int) -> dict[st
     if "error" in report:
         raise AssertionError(f"the resumed run failed: {report['error']}")
     return {"newest": newest, "in_memory": newest in in_memory, "report": report,
-            "durable": str(root / "durable"), "after": assert_whole(durable)}
+            "durable": str(root / "durable"), "after": assert_whole(durable),
+            "memory_after": assert_whole(open_backend(str(memory_root(env, run_id))))}
 
 
 def check(point: Event, outcome: dict[str, Any]) -> None:
     """The resumed run loaded the newest complete copy bit-identically and ended equal to a
-    run that was never killed, with every due drain committed."""
+    run that was never killed, with its last step in memory and every due drain committed."""
     newest, report = outcome["newest"], outcome["report"]
     assert report["step"] == newest, f"resumed from {report['step']}, newest copy is {newest}"
     if newest is not None:
@@ -341,13 +347,16 @@ def check(point: Event, outcome: dict[str, Any]) -> None:
         assert report["path"].startswith(want), report["path"]
     assert_identical(report["loaded"], trained(newest or 0), f"state loaded at {newest}")
     assert_identical(report["final"], trained(STEPS), f"state at step {STEPS}")
+    assert outcome["memory_after"][-1] == STEPS, outcome["memory_after"]
     due = [s for s in range((newest or 0) + 1, STEPS + 1) if s % DURABLE_EVERY == 0]
     if due:
         assert outcome["after"][-1] == due[-1], (outcome["after"], due)
 
 
 def test_sigkill_at_random_points_resumes_bit_identically_from_the_newest_copy(
-        tmp_path: Path, env: dict[str, str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+) -> None:
+    env = private_shm(tmp_path, monkeypatch, request)
     seed = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**32))
     count = int(os.environ.get(POINTS_ENV) or DEFAULT_POINTS)
     print(f"tier drill seed {seed} ({count} points): replay with {SEED_ENV}={seed}")
@@ -373,7 +382,9 @@ def test_sigkill_at_random_points_resumes_bit_identically_from_the_newest_copy(
 
 
 def test_restart_after_the_node_lost_its_memory_restores_from_durable(
-        tmp_path: Path, env: dict[str, str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+) -> None:
+    env = private_shm(tmp_path, monkeypatch, request)
     before_manifest = Event("durable", "open", "step_00000008/manifest.json.tmp", 1)
     code = run_child(train, str(tmp_path), env, str(before_manifest), None)
     assert code == KILLED
@@ -391,7 +402,9 @@ def test_restart_after_the_node_lost_its_memory_restores_from_durable(
 
 
 def test_a_job_with_another_run_id_never_loads_the_first_jobs_memory(
-        tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+) -> None:
+    private_shm(tmp_path, monkeypatch, request)
     durable = str(tmp_path / "durable")
     first = Trainee()
     mgr = first.manager(durable)
