@@ -2,9 +2,10 @@
 for N = 8, 16, ..., 4096, from statereg's real planning and commit code, with no process per rank.
 
 What it measures (re-run it unchanged after the read-once and plan-reuse work of issue 17;
-`rank_load` and SAVE_COLLECTIVES/LOAD_COLLECTIVES follow the code path of the tree this was
-written against, commit cca5946: where the engine's load or save path changes what a rank
-reads or which collectives it calls, change those two places to match, nothing else):
+`rank_load` and SAVE_COLLECTIVES/LOAD_COLLECTIVES follow the code path of the tree measured in
+docs/performance.md, commit 0c629b9: where the engine's load or save path changes what a rank
+reads or which collectives it calls, change those two places to match, nothing else;
+benchmarks/bench_coordination.py counts the real collectives per save to check against):
 
 - The job: `model` and `optimizer` sharded over all ranks as FSDP does it (every tensor split
   along dim 0, one chunk per rank: `--tensors` model tensors, twice as many optimizer
