@@ -564,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.max_ranks, args.tensors = 64, 8
+    if args.max_ranks < 16:
+        parser.error("--max-ranks must be at least 16: an exponent needs two job sizes (8, 16)")
     ranks = [2 ** e for e in range(3, int(math.log2(args.max_ranks)) + 1)]
     wall = time.perf_counter()
     save_rows: dict[str, list[float]] = {}
