@@ -4,6 +4,10 @@ The load plan (engine/plan.py `compile_load`) is compiled from the manifest's re
 was saved and the live declaration, and refuses every mismatch at once, before anything is
 read. Nothing live is modified until every component has been checked against the
 checkpoint, so a mismatch in one component leaves all of them as they were.
+
+Under torch.distributed a load reads each stored byte once per job: the manifest and the
+size check by rank 0, what every rank of a collective needs alike by one of its ranks,
+broadcast over the gloo group (docs/distributed.md, "Loads read each stored byte once").
 """
 
 from __future__ import annotations
