@@ -18,6 +18,7 @@ a watchdog thread exits at the deadline whatever the main thread is doing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -127,12 +128,14 @@ class SignalGuard:
             guard._previous[signum] = signal.signal(signum, guard._handle)
         # An attribute of this manager only, removed at uninstall: the class's save() runs.
         manager.save = guard._around(manager.save)
+        atexit.register(guard._at_exit)
         return guard
 
     def uninstall(self) -> None:
         """Give the signals back to the handlers they had before (main thread only), and
         end the watching thread unless a signal is being acted on."""
         vars(self._manager).pop("save", None)
+        atexit.unregister(self._at_exit)
         if self._received is None:
             self._signalled.set()
         if threading.current_thread() is not threading.main_thread():
@@ -207,6 +210,13 @@ class SignalGuard:
                      "exiting with status %d; storage.url keeps its earlier checkpoints",
                      self._name(), self.grace_s, self._status())
         _exit(self._status())
+
+    def _at_exit(self) -> None:
+        """The interpreter ends after a signal (on a rank other than 0, its main thread
+        returned or raised, e.g. on a dead DataLoader): stay until the watching thread exits,
+        so this rank never leaves before rank 0 has flushed (rank 0 may read its files)."""
+        if self._received is not None:
+            self._watcher.join()
 
     def _rank_zero_flushed(self) -> bool:
         assert self._tiers is not None and self._flushed is not None

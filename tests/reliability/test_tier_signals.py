@@ -10,6 +10,8 @@ step (memory every 2, drained every 8) under ROOT, until a signal ends it. MODE:
 - no_tiers: no tiers, `save.async: thread`; holds step 3's background write (ROOT/reached)
   and stops saving;
 - slow_drain: grace_s 1; holds the drain of step 8 for a minute (ROOT/reached).
+`python test_tier_signals.py rank ROOT RANK` is one of two ranks of a gloo job (no DataLoader
+workers); rank 0 prints `started` once the first memory checkpoint is committed.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import statereg
 from statereg.backends.local import LocalBackend
@@ -131,6 +135,19 @@ def train(mode: str, root: Path) -> None:
         if mode == "no_tiers" and step == 3:
             while True:  # the signal comes while the async save is held, outside save()
                 time.sleep(0.05)
+
+
+def train_rank(root: Path, rank: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{root / 'pg-init'}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    trainee = Trainee()
+    mgr = statereg.CheckpointManager(spec(root), model=trainee.model,
+                                     optimizer=trainee.optimizer)
+    for step, batch in enumerate(batches(workers=0), start=1):
+        trainee.step(batch)
+        mgr.save(step)
+        if step == 2 and rank == 0:
+            print("started", flush=True)
 
 
 def trained(steps: int) -> dict[str, torch.Tensor]:
@@ -363,5 +380,35 @@ def test_on_signal_shorthands_are_the_long_form(tmp_path: Path) -> None:
     assert long.on_signal is not None and long.on_signal.grace_s == 25.0
 
 
+def test_two_ranks_both_signalled_rank_0_flushes_and_rank_1_leaves_after_it(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    ranks = [subprocess.Popen([sys.executable, __file__, "rank", str(tmp_path), str(rank)],
+                              env={**os.environ, **env}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    assert ranks[0].stdout is not None
+    line = ranks[0].stdout.readline()
+    assert line == "started\n", (line, ranks[0].communicate()[1][-3000:])
+    time.sleep(0.2)
+    for process in reversed(ranks):  # as torchrun forwards it: to each rank in turn
+        process.send_signal(signal.SIGTERM)
+    errs = [process.communicate(timeout=GRACE_S + 20)[1] for process in ranks]
+
+    assert [p.returncode for p in ranks] == [143, 143], errs
+    assert re.search(r"rank 0: SIGTERM: (flushed \S+ to|the newest memory checkpoint is "
+                     r"already in) \S+/step_\d+, [0-9.]+ s after the signal; exiting with "
+                     r"status 143", errs[0]), errs[0]
+    assert re.search(r"rank 1: SIGTERM: rank 0 flushed, [0-9.]+ s after the signal; exiting "
+                     r"with status 143", errs[1]), errs[1]
+    memory = open_backend(str(next(Path(env["STATEREG_SHM_DIR"]).glob(
+        "statereg/node0/signals/ws2-*"))))
+    newest = list_committed(memory)[-1]
+    assert newest.name in errs[0]
+    assert newest.step in assert_durable_whole(tmp_path)
+    assert [n for n in memory.list_dir("") if n.startswith("signal-flushed-")] != []
+
+
 if __name__ == "__main__":
-    train(sys.argv[1], Path(sys.argv[2]))
+    if sys.argv[1] == "rank":
+        train_rank(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        train(sys.argv[1], Path(sys.argv[2]))
