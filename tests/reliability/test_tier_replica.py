@@ -4,15 +4,20 @@ groups, one shared-memory folder per node ($STATEREG_NODE), peers reached over 1
 - With `replicate`, each node's folder holds its peer's files too: losing one node's folder
   restores from the replica, bit-identically, and storage.url holds no checkpoint at all (so
   not one byte could come from it).
-- Without it, ranks read what their node lacks from the other node (the manifest and the
-  replicated model live on node 0 only), and a lost node restores from storage.url.
+- Without it, ranks read what their node lacks from the other node (rank 0's files live on
+  node 0 only), and a lost node restores from storage.url.
+- A job killed while a replica is being written (SIGKILL at a random replica copy, at its
+  start or its end) resumes bit-identically from the newest copy the folders hold whole.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
+import signal
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import statereg
+from statereg.engine.verify import verify_files
 from tests.distributed.harness import run_ranks
 
 STEPS = 4
@@ -77,8 +83,8 @@ class Trainee:
         return found
 
 
-def _on_node(rank: int, shm: Path) -> None:
-    os.environ.update(STATEREG_SHM_DIR=str(shm), STATEREG_NODE=f"node{rank // 2}",
+def _on_node(rank: int, shm: Path, per_node: int = 2) -> None:
+    os.environ.update(STATEREG_SHM_DIR=str(shm), STATEREG_NODE=f"node{rank // per_node}",
                       STATEREG_RUN_ID="replica-drill", STATEREG_PEER_HOST="127.0.0.1")
 
 
@@ -111,10 +117,10 @@ def _lose_node(rank: int, shm: Path, node: str) -> None:
     dist.barrier()
 
 
-def reference(rank: int) -> Trainee:
-    """The state after STEPS steps, trained again without a manager (the same bits)."""
+def reference(rank: int, steps: int = STEPS) -> Trainee:
+    """The state after `steps` steps, trained again without a manager (the same bits)."""
     trainee = Trainee(rank)
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         trainee.step(step)
     return trainee
 
@@ -196,3 +202,125 @@ def test_the_memory_math_counts_the_peer_replica(replicate: bool) -> None:
     held = own + (30 + 40 if replicate else 0)  # node c holds node b's files
     assert node_bytes(nodes, per_rank, 2, replicate) == held + _SMALL_FILES
     assert nodes.previous(0) == 2 and nodes.leader(1) == 2 and nodes.count == 3
+
+
+# -- SIGKILL during a replica copy ----------------------------------------------------------
+
+KILL_STEPS = 6
+
+
+def _arm(kill_at: int, at_end: bool) -> None:
+    """Die by SIGKILL in the `kill_at`-th replica copy of this process: as it starts, or
+    with the whole file copied under its temporary name (before the rename)."""
+    from statereg.backends import peers
+
+    real = shutil.copyfileobj
+    calls = [0]
+
+    class Tripwire:
+        @staticmethod
+        def copyfileobj(source: Any, sink: Any, length: int = 0) -> None:
+            calls[0] += 1
+            if calls[0] == kill_at:
+                if at_end:
+                    real(source, sink, length)
+                else:
+                    sink.write(source.read(1 + length // 2))
+                sink.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(source, sink, length)
+
+    peers.shutil = Tripwire  # type: ignore[assignment]
+
+
+def replica_job(rank: int, init: str, shm: str, durable: str, out: str,
+                kill_at: int | None, at_end: bool) -> None:
+    """One rank of a 2-node job (one rank per node) that resumes, then saves to KILL_STEPS."""
+    torch.set_num_threads(1)
+    _on_node(rank, Path(shm), per_node=1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    if kill_at is not None and rank == 1:
+        _arm(kill_at, at_end)
+    spec = _spec(durable, replicate=True, drain_every=3)
+    trainee = Trainee(rank)  # a resume overwrites it: untrained, it differs from any step
+    mgr = trainee.manager(spec)
+    result = mgr.load()
+    start = 0 if result is None else result.step
+    expected = reference(rank, start)
+    got = trainee.tensors()
+    if start:
+        for key, value in expected.tensors().items():
+            assert torch.equal(got[key], value), key
+        assert trainee.cursor.value == expected.cursor.value
+    Path(out, f"resumed-{rank}").write_text(str(start))
+    for step in range(start + 1, KILL_STEPS + 1):
+        trainee.step(step)
+        mgr.save(step)
+    mgr.close()
+    final = reference(rank, KILL_STEPS)
+    for key, value in final.tensors().items():
+        assert torch.equal(trainee.tensors()[key], value), key
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_job(base: Path, run: str, kill_at: int | None, at_end: bool) -> list[int | None]:
+    """Start both ranks; when rank 1 dies, kill rank 0 too (as torchrun would)."""
+    from tests.reliability.reliability_kit import forkserver
+
+    context = forkserver()
+    ranks = [context.Process(target=replica_job,
+                             args=(r, str(base / f"pg-{run}"), str(base / "shm"),
+                                   str(base / "durable"), str(base), kill_at, at_end))
+             for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    ranks[1].join(120)
+    if ranks[1].exitcode == -signal.SIGKILL:
+        ranks[0].kill()
+    ranks[0].join(120)
+    for process in ranks:
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+    return [p.exitcode for p in ranks]
+
+
+def _newest_whole(base: Path) -> int:
+    """The newest step the two node folders hold whole between them, or storage.url holds."""
+    from statereg.backends.registry import open_backend
+    from statereg.engine.checkpoints import list_committed
+
+    folders = [open_backend(str(f)) for f in (base / "shm" / "statereg").glob("node*/*/ws*")]
+    best = 0
+    for folder in folders:
+        for committed in list_committed(folder):
+            held = {f.path: f.size for other in folders for f in other.walk(committed.name)}
+            if all(held.get(f"{committed.name}/{r.path}") == r.size
+                   for r in committed.manifest.files):
+                best = max(best, committed.step)
+    durable = open_backend(str(base / "durable"))
+    for committed in list_committed(durable):
+        verify_files(durable, committed.name, committed.manifest.files, "full")
+        best = max(best, committed.step)
+    return best
+
+
+def test_sigkill_during_a_replica_copy_resumes_from_the_newest_whole_copy(
+        tmp_path: Path) -> None:
+    seed = int(os.environ.get("STATEREG_DRILL_SEED", random.randrange(10**6)))
+    rng = random.Random(seed)
+    # About 5 replica copies per memory save (rank 0's DCP files, .metadata, its cursor).
+    points = [(rng.randint(1, 5 * (KILL_STEPS - 1)), rng.random() < 0.5) for _ in range(3)]
+    print(f"replica kill drill: seed {seed} (STATEREG_DRILL_SEED replays), points {points}")
+    for number, (kill_at, at_end) in enumerate(points):
+        where = f"seed {seed}, point {number}: copy {kill_at}, {'end' if at_end else 'start'}"
+        base = tmp_path / f"point{number}"
+        (base / "shm").mkdir(parents=True)
+        codes = _run_job(base, "killed", kill_at, at_end)
+        assert codes[1] == -signal.SIGKILL, (where, codes)
+        newest = _newest_whole(base)
+        assert _run_job(base, "resumed", None, False) == [0, 0], where
+        for rank in (0, 1):
+            assert int((base / f"resumed-{rank}").read_text()) == newest, where
