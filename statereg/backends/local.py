@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import functools
+import io
+import mmap
 import os
 import shutil
 import stat
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -38,6 +43,11 @@ _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EM
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+# Data files are read with O_DIRECT in chunks of this size, this many chunks in flight
+# (docs/performance.md, "Cold load"). O_DIRECT needs offsets and lengths in whole blocks.
+_DIRECT_CHUNK = 8 * 1024 * 1024
+_DIRECT_AHEAD = 4
+_DIRECT_ALIGN = 4096
 
 
 def file_kind(mode: int) -> str:
@@ -117,6 +127,155 @@ class _WritebackFile:
 
     def close(self) -> None:
         self._file.close()
+
+
+@functools.cache
+def _in_memory(root: str) -> bool:
+    """Whether `root` lies on a memory filesystem (tmpfs, ramfs), by /proc/mounts."""
+    try:
+        with open("/proc/mounts") as table:
+            mounts = [line.split()[1:3] for line in table]
+    except OSError:
+        return False
+    resolved = os.path.realpath(root)
+    found, kind = "", ""
+    for mount, fstype in mounts:
+        inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(found):
+            found, kind = mount, fstype
+    return kind in ("tmpfs", "ramfs")
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for `fd`; False where the filesystem refuses it."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+class _DirectReads(io.RawIOBase):
+    """Runs of a local file, read with O_DIRECT in page-aligned chunks, several ahead.
+
+    Every chunk the runs touch is read, in order, into a page-aligned buffer by a small pool
+    of threads (`_DIRECT_AHEAD` chunks in flight), and reads copy out of the chunk they fall
+    in: one memory copy per byte, far cheaper than the disk time it overlaps. Any position can
+    be read (a chunk outside the runs is read when asked for); a filesystem that accepted
+    O_DIRECT but refuses a read with it is read buffered from then on.
+    """
+
+    def __init__(self, backend: LocalBackend, path: str, fd: int,
+                 ranges: Sequence[tuple[int, int]]) -> None:
+        super().__init__()
+        self._backend, self._path, self._fd = backend, path, fd
+        self._direct = True
+        order: list[int] = []
+        for start, end in sorted(ranges):
+            for index in range(start // _DIRECT_CHUNK, (end - 1) // _DIRECT_CHUNK + 1):
+                if not order or index > order[-1]:
+                    order.append(index)
+        self._order = order
+        self._place = {index: n for n, index in enumerate(order)}
+        self._pending: dict[int, Future[tuple[mmap.mmap, int]]] = {}
+        self._spare: list[mmap.mmap] = []
+        self._pool = ThreadPoolExecutor(_DIRECT_AHEAD, thread_name_prefix="statereg-direct")
+        self._pos = 0
+        self._chunk: tuple[int, mmap.mmap, int] | None = None  # index, buffer, bytes in it
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_END:
+            offset += os.fstat(self._fd).st_size
+        elif whence == io.SEEK_CUR:
+            offset += self._pos
+        self._pos = max(0, offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(view):
+            index, data, filled = self._chunk_at(self._pos // _DIRECT_CHUNK)
+            at = self._pos - index * _DIRECT_CHUNK
+            got = min(len(view) - done, filled - at)
+            if got <= 0:
+                break  # the file ends here
+            view[done:done + got] = data[at:at + got]
+            done += got
+            self._pos += got
+        return done
+
+    def _chunk_at(self, index: int) -> tuple[int, mmap.mmap, int]:
+        if self._chunk is not None and self._chunk[0] == index:
+            return self._chunk
+        if self._chunk is not None:
+            self._spare.append(self._chunk[1])
+            self._chunk = None
+        pending = self._pending.pop(index, None)
+        place = self._place.get(index)
+        if place is not None:  # keep the next chunks of the runs in flight
+            for ahead in self._order[place + 1:place + 1 + _DIRECT_AHEAD]:
+                if ahead not in self._pending:
+                    self._pending[ahead] = self._pool.submit(self._read_chunk, ahead,
+                                                             self._buffer())
+        with self._backend._storage_op("read", self._path):
+            data, filled = (pending.result() if pending is not None
+                            else self._read_chunk(index, self._buffer()))
+        self._chunk = (index, data, filled)
+        return self._chunk
+
+    def _buffer(self) -> mmap.mmap:
+        return self._spare.pop() if self._spare else mmap.mmap(-1, _DIRECT_CHUNK)
+
+    def _read_chunk(self, index: int, data: mmap.mmap) -> tuple[mmap.mmap, int]:
+        """Fill `data` from the chunk's offset: as much as the file holds there."""
+        offset, filled = index * _DIRECT_CHUNK, 0
+        view = memoryview(data)
+        try:
+            while filled < _DIRECT_CHUNK:
+                try:
+                    got = os.preadv(self._fd, [view[filled:]], offset + filled)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or not self._direct:
+                        raise
+                    self._direct = False  # refused after all: read buffered from here on
+                    _set_direct(self._fd, False)
+                    continue
+                if not got:
+                    break
+                filled += got
+                if self._direct and filled % _DIRECT_ALIGN:
+                    break  # a short O_DIRECT read ends at the end of the file
+        finally:
+            view.release()
+        return data, filled
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        for pending in self._pending.values():
+            pending.cancel()
+        self._pool.shutdown(wait=True)
+        self._pending.clear()
+        self._chunk = None
+        self._spare.clear()  # their memory goes with the last reference
+        os.close(self._fd)
+        super().close()
 
 
 def temporary_name(path: str) -> str:
@@ -301,8 +460,29 @@ class LocalBackend(StorageBackend):
     @contextmanager
     def open_ranges(self, path: str, ranges: Sequence[tuple[int, int]],
                     size: int | None = None) -> Iterator[IO[bytes]]:
-        """The file itself: a read on disk moves only the bytes it asks for."""
-        with self.open_read(path, size) as stream:
+        """The runs of a data file, read with O_DIRECT where the filesystem allows it.
+
+        A cold load is bound by the disk: O_DIRECT reads of large aligned chunks, several in
+        flight (`_DirectReads`), keep its queue full without the page cache's readahead
+        deciding how much to ask for, and leave no copy of the checkpoint in the cache. Where
+        O_DIRECT is refused (tmpfs, some network filesystems) the file is read buffered, as
+        `open_read` does; so is a root in memory (tmpfs, ramfs: shm://), where the page cache
+        is the storage and a read straight into the tensor is the one copy there is. A
+        subclass that routes reads elsewhere (its own `open_read`) keeps its route.
+        """
+        if (type(self).open_read is not LocalBackend.open_read or not ranges
+                or _in_memory(self.root)):
+            with self.open_read(path, size) as stream:
+                yield stream
+            return
+        fd = self._open_contained("open", path)
+        if not _set_direct(fd, True):
+            with self._storage_op("open", path):
+                stream: Any = open(fd, "rb")  # noqa: SIM115 - closed below
+            with stream:
+                yield stream
+            return
+        with _DirectReads(self, path, fd, ranges) as stream:
             yield stream
 
     def exists(self, path: str) -> bool:

@@ -1,0 +1,97 @@
+"""Local data files are read with O_DIRECT where the filesystem allows it, buffered elsewhere.
+
+A cold load is bound by the disk; statereg reads the runs of a data file in large aligned
+O_DIRECT chunks, several in flight, and copies out of them (docs/performance.md, "Cold
+load"). The same bytes must come back whatever the position, length and chunk boundaries,
+and a filesystem that refuses O_DIRECT (procfs here) or keeps files in memory (tmpfs) is
+read buffered instead.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from statereg.backends import FileRecorder, open_backend
+from statereg.backends.dcp_io import BackendReader, BackendWriter, SafeLoadPlanner, load_in_place
+from statereg.backends.local import _DIRECT_CHUNK
+
+_SIZE = 2 * _DIRECT_CHUNK + 12345  # two whole chunks and an unaligned tail
+
+
+def _direct(stream) -> bool:
+    return bool(fcntl.fcntl(stream.fileno(), fcntl.F_GETFL) & os.O_DIRECT)
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    data = os.urandom(_SIZE)
+    (tmp_path / "data.bin").write_bytes(data)
+    return tmp_path, data
+
+
+def test_disk_reads_use_o_direct_and_return_every_byte_as_stored(data_file):
+    root, data = data_file
+    backend = open_backend(str(root))
+    ranges = [(100, _DIRECT_CHUNK + 7), (_DIRECT_CHUNK + 9, _SIZE)]
+    with backend.open_ranges("data.bin", ranges, _SIZE) as stream:
+        assert _direct(stream)
+        stream.seek(100)
+        assert stream.read(_DIRECT_CHUNK + 7 - 100) == data[100:_DIRECT_CHUNK + 7]  # 2 chunks
+        stream.seek(_DIRECT_CHUNK + 9)
+        buffer = bytearray(_SIZE - _DIRECT_CHUNK - 9)
+        assert stream.readinto(buffer) == len(buffer) and bytes(buffer) == data[_DIRECT_CHUNK + 9:]
+        assert stream.read(10) == b""  # the end of the file
+        stream.seek(5)  # back, outside every run: still the stored bytes
+        assert stream.read(50) == data[5:55]
+        assert stream.seek(0, os.SEEK_END) == _SIZE
+
+
+def test_a_filesystem_refusing_o_direct_is_read_buffered():
+    # procfs refuses O_DIRECT (fcntl answers EINVAL); its files are regular files.
+    backend = open_backend("/proc")
+    with open("/proc/version", "rb") as f:
+        expected = f.read()
+    with backend.open_ranges("version", [(0, 4096)]) as stream:
+        assert not _direct(stream)
+        assert stream.read(4096) == expected
+
+
+def test_a_root_in_memory_is_read_buffered():
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        data = os.urandom(10000)
+        with open(os.path.join(folder, "data.bin"), "wb") as f:
+            f.write(data)
+        with open_backend(folder).open_ranges("data.bin", [(10, 9000)]) as stream:
+            assert not _direct(stream)
+            stream.seek(10)
+            assert stream.read(8990) == data[10:9000]
+
+
+def test_a_dcp_load_through_direct_reads_is_bit_identical_and_verified(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    # Items larger and smaller than a chunk, so records straddle chunk boundaries.
+    state = {"big": torch.randn(3 * _DIRECT_CHUNK // 8 + 3, 2, generator=gen),
+             "small": torch.randn(1000, generator=gen),
+             "half": torch.randn(100, 100, generator=gen).half(),
+             "meta": {"step": 7}}
+    recorder = FileRecorder()
+    dcp.save(state, storage_writer=BackendWriter(open_backend(str(tmp_path)), "ckpt", recorder,
+                                                 thread_count=2), no_dist=True)
+    records = {written.path: written for written in recorder.files()}
+    targets = {k: torch.zeros_like(v) for k, v in state.items() if k != "meta"}
+    targets["meta"] = {"step": 0}
+
+    load_in_place(targets, BackendReader(open_backend(str(tmp_path)), "ckpt", records=records),
+                  SafeLoadPlanner())
+
+    for key in ("big", "small", "half"):
+        assert torch.equal(targets[key], state[key]), key
+    assert targets["meta"] == {"step": 7}
