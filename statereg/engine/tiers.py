@@ -463,7 +463,9 @@ class TierEngine:
                 path: (size, [self._peer_nodes.index(n) for n in nodes if n != self.node])
                 for path, (size, nodes) in holders.items()}
         name = checkpoint_name(choice)
-        return self.reader, Committed(name, read_manifest_at(self.reader, name))
+        # Rank 0 reads the manifest and every rank receives it (issue 17: read once per job).
+        return self.reader, Committed(name, self.world.from_leader(read_manifest_at,
+                                                                   self.reader, name))
 
     def _complete(self, folders: dict[int, Any],
                   ) -> tuple[int | None, dict[str, tuple[int, list[int]]]]:
