@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 ROW_FIELDS = {"label", "seconds", "median_s", "min_s", "max_s", "bytes", "gb_per_s",
@@ -61,6 +63,39 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
 
     table = (out / "suite.md").read_text()
     assert "### Targets" in table and "### compression" in table
+
+
+def test_bench_tiers_measures_every_row_and_restores_from_memory_reading_no_durable_byte(
+    tmp_path: Path,
+) -> None:
+    """benchmarks/bench_tiers.py on a tiny state, one repetition, no S3 server (the S3 rows
+    run the same code against another root); the memory restore must read 0 bytes from
+    storage.url whatever the timings."""
+    out = tmp_path / "tiers.json"
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_tiers.py"), "--gb", "0.01",
+         "--reps", "1", "--steps", "2", "--every", "1", "--batch", "2", "--no-s3",
+         "--shm", str(shm), "--dir", str(tmp_path), "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["rows"]) == {
+        "memory_copy", "memory_save", "disk_save", "restore_memory", "restore_disk_cold",
+        "drain_local", "cp_local", "memory_save_draining_local", "train_no_checkpoint",
+        "train_memory_every"}
+    assert all(len(row["seconds"]) == 1 for row in result["rows"].values())
+    summary = result["summary"]
+    assert summary["durable_bytes_read_in_memory_restore"] == 0
+    assert summary["durable_reads_in_memory_restore"] == 0
+    # steps lost = every / 2 + restore seconds / seconds per step (benchmarks/bench_tiers.py)
+    step_s = result["rows"]["train_no_checkpoint"]["median_s"] / 2
+    assert summary["steps_lost_memory"] == pytest.approx(
+        0.5 + result["rows"]["restore_memory"]["median_s"] / step_s, rel=0.01)
+    assert summary["steps_lost_durable_restores_from"] == "disk_cold"
+    assert list(shm.iterdir()) == []  # the bench leaves nothing in the tmpfs
+    assert "| restore_memory |" in done.stdout
 
 
 def test_bench_scale_quick_prints_growth_exponents_and_the_100k_tensor_manifest() -> None:
