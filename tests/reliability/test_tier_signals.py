@@ -2,16 +2,19 @@
 flight, flushes the newest memory checkpoint to storage.url within on_signal.grace_s, and
 exits with status 128 + signum, even though the signal also killed its DataLoader workers.
 
-Run as a script, this file is the trainer: `python test_tier_signals.py MODE ROOT` trains a
+The trainer, `train(MODE, ROOT)`, forks from the reliability forkserver (torch already
+imported, so a run starts in a fraction of a second) into a session of its own, and trains a
 tiny model with AdamW on batches from a DataLoader with two worker processes, saving every
-step (memory every 2, drained every 8) under ROOT, until a signal ends it. MODE:
-- drill: prints `started` once the first memory checkpoint is committed;
+step (memory every 2, drained every 8) under ROOT, its stderr in ROOT/stderr, until a signal
+ends it. MODE:
+- drill: writes ROOT/started once the first memory checkpoint is committed;
 - mid_save: holds the memory save of step 6 after its second file (writes ROOT/reached);
 - no_tiers: no tiers, `save.async: thread`; holds step 3's background write (ROOT/reached)
   and stops saving;
 - slow_drain: grace_s 1; holds the drain of step 8 for a minute (ROOT/reached).
-`python test_tier_signals.py rank ROOT RANK` is one of two ranks of a gloo job (no DataLoader
-workers); rank 0 prints `started` once the first memory checkpoint is committed.
+`train_rank(ROOT, RANK)`, forked the same way, is one of two ranks of a gloo job (no
+DataLoader workers, stderr in ROOT/stderr-RANK); rank 0 writes ROOT/started once the first
+memory checkpoint is committed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,6 +37,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from reliability_kit import forkserver
 
 import statereg
 from statereg.backends.local import LocalBackend
@@ -70,7 +73,10 @@ def batches(workers: int) -> Iterator[torch.Tensor]:
     """The same batches in every process, epoch after epoch, from `workers` processes."""
     data = torch.utils.data.TensorDataset(torch.randn(512, 8, generator=torch.Generator()
                                                       .manual_seed(7)))
-    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=workers)
+    # fork: the workers are this trainer's children, in its session (a trainer forked from the
+    # forkserver would otherwise have the forkserver start them).
+    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=workers,
+                                         multiprocessing_context="fork" if workers else None)
     while True:
         for (batch,) in loader:
             yield batch
@@ -99,6 +105,13 @@ class Trainee:
         return found
 
 
+def announce(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: the test never reads it half-written."""
+    written = path.with_suffix(".tmp")
+    written.write_text(text)
+    written.rename(path)
+
+
 def hold(root: Path, mode: str) -> None:
     """Make the save of `mode` stop for a while, after writing ROOT/reached."""
     victim, tier, seconds = {"mid_save": ("step_00000006/", "memory", 1.5),
@@ -112,9 +125,7 @@ def hold(root: Path, mode: str) -> None:
                 tier == "memory"):
             opened.append(path)
             if len(opened) == 2:
-                written = root / "reached.tmp"  # renamed: the test never reads it half-written
-                written.write_text(threading.current_thread().name)
-                written.rename(root / "reached")
+                announce(root / "reached", threading.current_thread().name)
                 time.sleep(seconds)
         return open_write(self, path, on_done)
 
@@ -131,10 +142,24 @@ def train(mode: str, root: Path) -> None:
         trainee.step(batch)
         mgr.save(step)
         if mode == "drill" and step == 2:
-            print("started", flush=True)
+            announce(root / "started", "step 2")
         if mode == "no_tiers" and step == 3:
             while True:  # the signal comes while the async save is held, outside save()
                 time.sleep(0.05)
+
+
+def child(mode: str, root: Path, env: dict[str, str], rank: int | None = None) -> None:
+    """A trainer (or one rank) in a forked child: a session of its own (killpg reaches it
+    and its DataLoader workers, as a scheduler's signal does), the run's environment, stderr
+    to a file."""
+    os.setsid()
+    os.environ.update(env)
+    name = "stderr" if rank is None else f"stderr-{rank}"
+    os.dup2(os.open(root / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    if rank is None:
+        train(mode, root)
+    else:
+        train_rank(root, rank)
 
 
 def train_rank(root: Path, rank: int) -> None:
@@ -147,7 +172,7 @@ def train_rank(root: Path, rank: int) -> None:
         trainee.step(batch)
         mgr.save(step)
         if step == 2 and rank == 0:
-            print("started", flush=True)
+            announce(root / "started", "step 2")
 
 
 def trained(steps: int) -> dict[str, torch.Tensor]:
@@ -176,13 +201,17 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, s
     shutil.rmtree(shm, ignore_errors=True)
 
 
-def start(mode: str, root: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    """The trainer in a session of its own: killpg reaches it and its DataLoader workers,
-    as a scheduler's signal does."""
+def start(mode: str, root: Path, env: dict[str, str]) -> Any:
+    """The trainer, forked from the forkserver (a multiprocessing Process)."""
     root.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, __file__, mode, str(root)],
-                            env={**os.environ, **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = forkserver().Process(target=child, args=(mode, root, env))
+    process.start()
+    return process
+
+
+def stderr(root: Path) -> str:
+    path = root / "stderr"
+    return path.read_text() if path.exists() else ""
 
 
 def children(pid: int) -> list[int]:
@@ -190,21 +219,22 @@ def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def wait_for(path: Path, process: subprocess.Popen[str], timeout: float = 60) -> None:
+def wait_for(path: Path, process: Any, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert process.is_alive(), stderr(path.parent)[-3000:]
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.01)
 
 
-def terminate(process: subprocess.Popen[str], signum: int = signal.SIGTERM,
-              ) -> tuple[float, str]:
+def terminate(process: Any, root: Path, signum: int = signal.SIGTERM) -> tuple[float, str]:
     """Signal the trainer's process group; seconds until it exited, and its stderr."""
     sent = time.monotonic()
     os.killpg(process.pid, signum)
-    _, err = process.communicate(timeout=GRACE_S + 20)
-    return time.monotonic() - sent, err
+    process.join(GRACE_S + 20)
+    took = time.monotonic() - sent
+    assert process.exitcode is not None, "the trainer is still running"
+    return took, stderr(root)
 
 
 def assert_durable_whole(root: Path) -> list[int]:
@@ -239,14 +269,12 @@ def assert_loads_bit_identically(root: Path, step: int, mode: str = "drill") -> 
 def drill_once(moment: float, root: Path, env: dict[str, str]) -> tuple[float, str, int]:
     """One trainer, SIGTERMed `moment` s after it reported started, with its workers."""
     process = start("drill", root, env)
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    assert line == "started\n", (line, process.communicate()[1][-3000:])
+    wait_for(root / "started", process)
     assert len(children(process.pid)) >= 2  # the DataLoader's workers
     time.sleep(moment)
-    took, err = terminate(process)
-    assert process.returncode == 128 + signal.SIGTERM, err[-6000:]
-    return took, err, process.returncode
+    took, err = terminate(process, root)
+    assert process.exitcode == 128 + signal.SIGTERM, err[-6000:]
+    return took, err, process.exitcode
 
 
 def test_sigterm_at_20_random_moments_flushes_the_newest_memory_checkpoint(
@@ -275,9 +303,9 @@ def test_a_signal_during_a_save_waits_for_that_save_then_flushes_it(
         tmp_path: Path, env: dict[str, str]) -> None:
     process = start("mid_save", tmp_path, env)
     wait_for(tmp_path / "reached", process)  # the memory save of step 6 is held mid-way
-    took, err = terminate(process)
+    took, err = terminate(process, tmp_path)
 
-    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert process.exitcode == 128 + signal.SIGTERM, err[-3000:]
     assert took < GRACE_S
     assert "rank 0: SIGTERM: finishing the save in flight first" in err
     assert re.search(r"rank 0: SIGTERM: flushed shm://signals/ws1-[0-9a-f]+/step_00000006 to "
@@ -291,9 +319,9 @@ def test_without_tiers_a_signal_commits_the_async_save_in_flight_and_exits(
     process = start("no_tiers", tmp_path, env)
     wait_for(tmp_path / "reached", process)  # step 3's background write is held
     assert (tmp_path / "reached").read_text().startswith("statereg")  # not the main thread
-    took, err = terminate(process)
+    took, err = terminate(process, tmp_path)
 
-    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert process.exitcode == 128 + signal.SIGTERM, err[-3000:]
     assert took < GRACE_S
     durable = tmp_path / "durable"
     assert f"rank 0: SIGTERM: every save to {durable} is committed" in err
@@ -305,9 +333,9 @@ def test_a_flush_longer_than_the_grace_period_exits_at_its_end_leaving_no_partia
         tmp_path: Path, env: dict[str, str]) -> None:
     process = start("slow_drain", tmp_path, env)
     wait_for(tmp_path / "reached", process)  # the drain of step 8 is held for a minute
-    took, err = terminate(process, signal.SIGUSR1)
+    took, err = terminate(process, tmp_path, signal.SIGUSR1)
 
-    assert process.returncode == 128 + signal.SIGUSR1, err[-3000:]
+    assert process.exitcode == 128 + signal.SIGUSR1, err[-3000:]
     assert 1.0 <= took < 5.0
     assert ("rank 0: SIGUSR1: on_signal.grace_s 1.0 s is over before the flush finished: "
             "exiting with status 138; storage.url keeps its earlier checkpoints") in err
@@ -382,18 +410,19 @@ def test_on_signal_shorthands_are_the_long_form(tmp_path: Path) -> None:
 
 def test_two_ranks_both_signalled_rank_0_flushes_and_rank_1_leaves_after_it(
         tmp_path: Path, env: dict[str, str]) -> None:
-    ranks = [subprocess.Popen([sys.executable, __file__, "rank", str(tmp_path), str(rank)],
-                              env={**os.environ, **env}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    assert ranks[0].stdout is not None
-    line = ranks[0].stdout.readline()
-    assert line == "started\n", (line, ranks[0].communicate()[1][-3000:])
+    ranks = []
+    for rank in (0, 1):
+        ranks.append(forkserver().Process(target=child, args=("rank", tmp_path, env, rank)))
+        ranks[-1].start()
+    wait_for(tmp_path / "started", ranks[0])
     time.sleep(0.2)
     for process in reversed(ranks):  # as torchrun forwards it: to each rank in turn
-        process.send_signal(signal.SIGTERM)
-    errs = [process.communicate(timeout=GRACE_S + 20)[1] for process in ranks]
+        os.kill(process.pid, signal.SIGTERM)
+    for process in ranks:
+        process.join(GRACE_S + 20)
+    errs = [(tmp_path / f"stderr-{rank}").read_text() for rank in (0, 1)]
 
-    assert [p.returncode for p in ranks] == [143, 143], errs
+    assert [p.exitcode for p in ranks] == [143, 143], errs
     assert re.search(r"rank 0: SIGTERM: (flushed \S+ to|the newest memory checkpoint is "
                      r"already in) \S+/step_\d+, [0-9.]+ s after the signal; exiting with "
                      r"status 143", errs[0]), errs[0]
@@ -405,10 +434,3 @@ def test_two_ranks_both_signalled_rank_0_flushes_and_rank_1_leaves_after_it(
     assert newest.name in errs[0]
     assert newest.step in assert_durable_whole(tmp_path)
     assert [n for n in memory.list_dir("") if n.startswith("signal-flushed-")] != []
-
-
-if __name__ == "__main__":
-    if sys.argv[1] == "rank":
-        train_rank(Path(sys.argv[2]), int(sys.argv[3]))
-    else:
-        train(sys.argv[1], Path(sys.argv[2]))
