@@ -45,8 +45,8 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 # Data files are read with O_DIRECT in chunks of this size, this many chunks in flight
 # (docs/performance.md, "Cold load"). O_DIRECT needs offsets and lengths in whole blocks.
-_DIRECT_CHUNK = 8 * 1024 * 1024
-_DIRECT_AHEAD = 4
+_DIRECT_CHUNK = 4 * 1024 * 1024
+_DIRECT_AHEAD = 8
 _DIRECT_ALIGN = 4096
 
 
