@@ -361,7 +361,6 @@ class MemoryTierSpec(_Declared):
         description="When a durable checkpoint is due while the previous drain is still "
         "copying: wait for it (the loop blocks), or skip this one (the next due step drains).",
     )
-
     replicate: ReplicaSpec | None = Field(
         default=None,
         description="Copy each node's memory checkpoints into a peer node's memory, so a "

@@ -144,7 +144,7 @@ def test_unknown_top_level_field_lists_the_sections(write_yaml):
 
     assert message == (
         f"{path}: component: unknown field 'component'; "
-        "allowed fields: components, profiles, restore, save, storage, tiers, version"
+        "allowed fields: components, on_signal, profiles, restore, save, storage, tiers, version"
     )
 
 
