@@ -109,7 +109,7 @@ def test_schema_prints_the_declaration_schema(capsys: pytest.CaptureFixture[str]
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert set(schema["properties"]) == {"version", "storage", "components", "save", "profiles",
-                                         "tiers", "restore"}
+                                         "tiers", "restore", "on_signal"}
 
 
 def test_plan_shows_each_component_writer_and_format(
