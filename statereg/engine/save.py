@@ -16,7 +16,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile, new_hasher
@@ -35,7 +34,7 @@ from statereg.engine.plan import RankPlan
 from statereg.engine.publish import commit
 from statereg.engine.report import Progress, describe_rate
 from statereg.engine.retention import apply_retention
-from statereg.engine.world import World, _describe, attempt, raise_own
+from statereg.engine.world import World, attempt, describe, raise_own
 from statereg.errors import CheckpointMismatchError, SpecError, StateregError
 from statereg.schemas.manifest import (
     FORMAT_VERSION,
@@ -367,8 +366,9 @@ def _retain(backend: StorageBackend, spec: RegistrySpec, name: str) -> list[str]
 
 def save_checkpoint(backend: StorageBackend, spec: RegistrySpec, captured: list[Captured],
                     step: int, tokens_seen: int | None, extra: dict[str, Any],
-                    world: World, plans: SavePlans | None = None) -> Committed:
-    """Write, commit (rank 0, after every rank reported its files) and apply retention.
+                    world: World, plans: SavePlans | None = None) -> str:
+    """Write, commit (rank 0, after every rank reported its files) and apply retention;
+    returns the committed checkpoint's directory name, on every rank.
 
     Any rank's failure is raised on every rank, and then nothing is committed (and the
     directory's claim is released, so the same step can be saved again at once). `plans`:
@@ -379,26 +379,15 @@ def save_checkpoint(backend: StorageBackend, spec: RegistrySpec, captured: list[
                                 plans)
 
 
-def _gather_on_leader(world: World, obj: Any) -> list[Any] | None:
-    """Every rank's `obj` on rank 0, in rank order, in one collective; None on other ranks.
-
-    What only the committing rank reads (file reports, item digests) goes to it alone:
-    an all-gather would send every rank's reports to every rank.
-    """
-    if not world.distributed:
-        return [obj]
-    out: list[Any] | None = [None] * world.size if world.rank == 0 else None
-    dist.gather_object(obj, out, dst=0, group=world.group)
-    return out
-
-
 def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
                      captured: list[Captured], step: int, tokens_seen: int | None,
-                     extra: dict[str, Any], world: World, plans: SavePlans | None) -> Committed:
+                     extra: dict[str, Any], world: World, plans: SavePlans | None) -> str:
     """The collectives, whatever the number of components, files and tensors: the claim's
     agreement (with each rank's DCP plan digests), the previous checkpoint (incremental
     saves only), every rank's reports to rank 0, and rank 0's outcome to every rank; DCP
     adds four per component only when a component's plans changed (see docs/distributed.md).
+    The outcome is the failure or nothing, not the manifest: only rank 0 reads that (its
+    log line), and sending it would cost every rank bytes that grow with the file count.
     """
     started = time.perf_counter()
     name = checkpoint_name(step)
@@ -424,7 +413,7 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
     report = None if error is not None else (
         files, incremental and (incremental.digests, incremental.referenced),
         plans.outgoing if plans is not None else {})
-    reports = _gather_on_leader(world, (None if error is None else _describe(error), report))
+    reports = world.gather_on_leader((None if error is None else describe(error), report))
     failure = commit_error = committed = None
     if world.rank == 0:
         assert reports is not None
@@ -438,29 +427,27 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
                                               extra, world.size, claim, incremental, plans)
             if commit_error is not None:
                 failure = (f"committing {shown} failed on 1 of {world.size} ranks "
-                           f"(rank 0: {_describe(commit_error)})")
-    failure, committed = world.broadcast((failure, committed))
+                           f"(rank 0: {describe(commit_error)})")
+    failure = world.broadcast(failure)
     if error is not None:
         raise_own(error, f"writing {shown}", world.rank)
     if commit_error is not None:
         raise_own(commit_error, f"committing {shown}", world.rank)
     if failure is not None:
         raise StateregError(failure)
-    assert committed is not None
     if plans is not None:
         plans.commit()
-    deleted: list[str] = []
-    if world.rank == 0:
-        deleted = _retain(backend, spec, name)
-    elapsed = time.perf_counter() - started
     if world.rank == 0:  # once per job, not once per rank
+        assert committed is not None
+        deleted = _retain(backend, spec, name)
+        elapsed = time.perf_counter() - started
         logger.info(
             "saved %s on %d rank(s): %d components, %d files, %s%s",
             shown, world.size, len(committed.manifest.components),
             len(committed.manifest.files), describe_rate(committed.manifest.total_bytes, elapsed),
             f"; retention removed {', '.join(deleted)}" if deleted else "",
         )
-    return committed
+    return name
 
 
 def _commit_reports(backend: StorageBackend, spec: RegistrySpec, captured: list[Captured],

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from statereg.backends.base import StorageBackend
-from statereg.engine.checkpoints import Committed, checkpoint_name
+from statereg.engine.checkpoints import checkpoint_name
 from statereg.engine.layouts import Captured
 from statereg.engine.layouts.dcp import SavePlans
 from statereg.engine.plan import RankPlan
@@ -71,7 +71,7 @@ class Saver:
         self.world = world
         self._staging = StagingArea(pinned=spec.save.async_mode == "pinned")
         self._executor: ThreadPoolExecutor | None = None
-        self._inflight: Future[Committed] | None = None
+        self._inflight: Future[str] | None = None
         self._staged: Future[None] | None = None
         self._failure: tuple[str, float] | None = None  # what the last background failure was
         # DCP plans kept from one save to the next: a save of unchanged shapes reuses them.
@@ -112,7 +112,7 @@ class Saver:
         done: Future[None] = Future()
         stream = loop_stream()
 
-        def stage_then_save() -> Committed:
+        def stage_then_save() -> str:
             try:
                 staged = self._stage(captured, step, stream)
             except BaseException as exc:
@@ -125,7 +125,7 @@ class Saver:
         self._inflight = self._executor.submit(self._reported, step, stage_then_save)
         return SaveHandle(url, done)
 
-    def _reported(self, step: int, work: Callable[[], Committed]) -> Committed:
+    def _reported(self, step: int, work: Callable[[], str]) -> str:
         """Run a background save; a failure is logged at once, naming the step and the time,
         and the next wait() or save() re-raises it with the same words attached."""
         started = time.time()

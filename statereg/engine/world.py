@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from statereg.engine.plan import WORLD, WorldLayout
@@ -34,10 +35,12 @@ def attempt(fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
         return None, exc
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
+    """One line naming an error's type and its message's first line, as the other ranks see
+    it in a failure report (DCP's CheckpointException: each failed rank's own error)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):  # DCP's CheckpointException: each rank's own error
-        return "; ".join(f"rank {r}: {_describe(pair[0])}" for r, pair in sorted(failures.items()))
+        return "; ".join(f"rank {r}: {describe(pair[0])}" for r, pair in sorted(failures.items()))
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
@@ -62,7 +65,7 @@ def _portable(error: BaseException, rank: int) -> BaseException:
     try:
         return pickle.loads(pickle.dumps(own))  # type: ignore[no-any-return]
     except Exception:
-        return StateregError(_describe(own))
+        return StateregError(describe(own))
 
 
 def unwrap_alone(error: BaseException) -> BaseException:
@@ -87,7 +90,7 @@ def raise_own(error: BaseException, what: str, rank: int) -> None:
     own = getattr(error, "failures", {}).get(rank)
     if own is not None and isinstance(own[0], Exception):
         raise own[0] from error
-    raise StateregError(f"{what} failed: {_describe(error)}") from error
+    raise StateregError(f"{what} failed: {describe(error)}") from error
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,18 @@ class World:
             raise shared[1]
         return shared[0]  # type: ignore[no-any-return]
 
+    def gather_on_leader(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` on rank 0, in rank order, in one collective; None elsewhere.
+
+        For what only rank 0 reads (a save's file reports, item digests): an all-gather would
+        send every rank's objects to every rank, N times the bytes for nothing.
+        """
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
     def agree(self, error: BaseException | None, what: str, group: Any = None) -> None:
         """Exchange success or failure; if any rank failed, raise on every rank.
 
@@ -185,8 +200,19 @@ class World:
         its own error; the others raise a StateregError naming the failed ranks, or a
         CorruptCheckpointError when a rank found damage (a file one rank read for the group
         is damaged for all of them: each must fall back alike). `group`: among its ranks only.
+
+        One all-reduce of a failure flag (8 bytes, whatever the rank count); only when some
+        rank failed does a second collective, an all-gather, bring every rank's report.
         """
-        self.gather_checked(None, error, what, group)
+        if not self.distributed:
+            if error is not None:
+                raise_own(error, what, self.rank)
+            return
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX,
+                        group=self.group if group is None else group)
+        if failed.item():
+            self._exchange(None, error, what, group)  # raises on every rank
 
     def gather_checked(self, value: Any, error: BaseException | None, what: str,
                        group: Any = None) -> list[Any]:
@@ -196,7 +222,12 @@ class World:
             if error is not None:
                 raise_own(error, what, self.rank)
             return [value]
-        report = None if error is None else (_describe(error), _is_damage(error, self.rank))
+        return self._exchange(value, error, what, group)
+
+    def _exchange(self, value: Any, error: BaseException | None, what: str,
+                  group: Any) -> list[Any]:
+        """One all-gather of every rank's (value, failure report); raises as `agree` says."""
+        report = None if error is None else (describe(error), _is_damage(error, self.rank))
         gathered = self.all_gather((None if error is not None else value, report), group)
         ranks = self.members(group)
         failed = {ranks[i]: r for i, (_, r) in enumerate(gathered) if r is not None}

@@ -96,7 +96,7 @@ JOBS = (("n10", 10, None), ("n200", 200, None), ("n10-zstd", 10, {"codec": "zstd
 def _saves(rank: int, world: int, root: Path, out: Path) -> None:
     counter = CollectiveCounter()
     counter.install()
-    figures: dict[str, list[dict[str, int]]] = {}
+    figures: dict[str, Any] = {}
     for job, count, compression in JOBS:
         torch.manual_seed(count)  # the same state on every rank
         model = ManyTensors(count)
@@ -119,6 +119,9 @@ def _saves(rank: int, world: int, root: Path, out: Path) -> None:
             saves.append({"calls": after[0] - calls, "bytes": after[1] - sent,
                           "global_plans": after[2] - plans})
         figures[job] = saves
+        calls = counter.calls.copy()
+        mgr.load()
+        figures[f"{job}-load"] = dict(counter.calls - calls)
         mgr.close()
     (out / f"rank{rank}.json").write_text(json.dumps(figures))
 
@@ -137,7 +140,7 @@ def test_later_saves_reuse_plans_with_a_fixed_number_of_collectives(tmp_path: Pa
         # The shape change at step 3 plans afresh: as many collectives as a first save.
         assert small[2]["calls"] == small[0]["calls"]
         assert large[2]["calls"] == large[0]["calls"]
-    for saves in ranks[0].values():
+    for saves in (ranks[0][job] for job, _, _ in JOBS):
         # DCP's plan gather runs (rank 0 makes the global plan) only at steps 1 and 3.
         assert [s["global_plans"] for s in saves] == [1, 0, 1, 0]
     # What a later save sends grows with the tensor count only by the item digests the
@@ -147,6 +150,19 @@ def test_later_saves_reuse_plans_with_a_fixed_number_of_collectives(tmp_path: Pa
         assert 0 <= grown <= 8 * 190 + 256, (rank, grown)
         first_grown = figures["n200"][0]["bytes"] - figures["n10"][0]["bytes"]
         assert first_grown > 10 * grown + 1000, (rank, first_grown, grown)
+
+    # World.agree's success path is one all-reduce of a flag: a load's agreements (checking,
+    # verifying, the component's prepare, its shared read, its apply) are five all_reduce
+    # calls, and its one all-gather is the targets' fingerprints, whatever the tensor count.
+    for figures in ranks:
+        for job, _, _ in JOBS:
+            load = figures[f"{job}-load"]
+            assert load["all_reduce"] == 5 and load["all_gather_object"] == 1, (job, load)
+    # Rank 0's outcome goes out without the manifest: a later save's broadcast is a few
+    # bytes, so rank 0 sends no more than rank 1 beyond its own larger file reports.
+    for job, _, _ in JOBS:
+        extra = ranks[0][job][1]["bytes"] - ranks[1][job][1]["bytes"]
+        assert extra < 400, (job, extra)
 
     for job, count, _ in JOBS:
         url = str(tmp_path / "ckpt" / job)
