@@ -17,7 +17,8 @@ FileSystemWriter / FileSystemReader) save that same state `--saves` times each, 
 - Bytes read per rank per load: the growth of `rchar` in /proc/self/io during the load
   (every read() of every file, whatever library; gloo's socket traffic is not in it), after
   one warm-up load so that Python's own imports are not counted; against the bytes of the
-  checkpoint on disk (its unique bytes).
+  checkpoint on disk (its unique bytes). The load's collective calls are counted as a
+  save's are (benchmarks/bench_scale.py's ledger of a load is checked against them).
 
     python benchmarks/bench_coordination.py                     # 2, 4 and 8 ranks
     python benchmarks/bench_coordination.py --ranks 2 --saves 2  # a quick look
@@ -144,13 +145,17 @@ def timed(tally: Tally, fn: Callable[[], Any]) -> dict[str, float]:
             "bytes": tally.bytes}
 
 
-def read_bytes(fn: Callable[[], Any]) -> dict[str, float]:
+def read_bytes(tally: Tally, fn: Callable[[], Any]) -> dict[str, float]:
+    """Run fn on every rank at once; its wall time, the bytes it read and its collectives."""
     dist.barrier()
+    tally.reset()
+    tally.active = True
     before = rchar()
     started = time.perf_counter()
     fn()
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "bytes_read": rchar() - before}
+    tally.active = False
+    return {"seconds": seconds, "bytes_read": rchar() - before, "calls": tally.calls}
 
 
 def rank_main(rank: int, world: int, init: str, root: str, args: dict[str, Any]) -> None:
@@ -169,7 +174,7 @@ def rank_main(rank: int, world: int, init: str, root: str, args: dict[str, Any])
         for step in range(1, args["saves"] + 1):
             result["statereg"]["saves"].append(timed(tally, lambda s=step: mgr.save(step=s)))
         for _ in range(2):  # the first load warms up imports and caches; the second counts
-            result["statereg"]["loads"].append(read_bytes(mgr.load))
+            result["statereg"]["loads"].append(read_bytes(tally, mgr.load))
 
     def dcp_save(step: int) -> None:
         state = {"model": get_model_state_dict(model),
@@ -187,7 +192,7 @@ def rank_main(rank: int, world: int, init: str, root: str, args: dict[str, Any])
     for step in range(1, args["saves"] + 1):
         result["dcp"]["saves"].append(timed(tally, lambda s=step: dcp_save(s)))
     for _ in range(2):
-        result["dcp"]["loads"].append(read_bytes(dcp_load))
+        result["dcp"]["loads"].append(read_bytes(tally, dcp_load))
     Path(root, f"rank_{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -227,6 +232,7 @@ def run(world: int, args: argparse.Namespace) -> dict[str, Any]:
             "later_calls": statistics.median(mean(s, "calls") for s in later),
             "later_bytes_per_rank": statistics.median(mean(s, "bytes") for s in later),
             "load_s": max(f["seconds"] for f in loads),
+            "load_calls": mean(loads, "calls"),
             "read_per_rank_mean": mean(loads, "bytes_read"),
             "read_per_rank_max": max(f["bytes_read"] for f in loads),
             "unique_bytes": unique[library],
@@ -251,14 +257,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.saves} saves each; {time.perf_counter() - started:.0f} s")
     print("| ranks | library | first save s | later save s | coordination s first | "
           "coordination s later | collectives first / later | sent per rank per later save | "
-          "load s | read per rank (mean / max) | checkpoint bytes | read / checkpoint |")
-    print("|" + "---|" * 12)
+          "load s | load collectives | read per rank (mean / max) | checkpoint bytes | "
+          "read / checkpoint |")
+    print("|" + "---|" * 13)
     for world, rows in results.items():
         for library, r in rows.items():
             print(f"| {world} | {library} | {r['first_save_s']:.3f} | {r['later_save_s']:.3f} | "
                   f"{r['first_coordination_s']:.3f} | {r['later_coordination_s']:.3f} | "
                   f"{r['first_calls']:.0f} / {r['later_calls']:.0f} | "
                   f"{r['later_bytes_per_rank'] / 1e3:.1f} kB | {r['load_s']:.3f} | "
+                  f"{r['load_calls']:.0f} | "
                   f"{r['read_per_rank_mean'] / 1e6:.2f} / {r['read_per_rank_max'] / 1e6:.2f} MB | "
                   f"{r['unique_bytes'] / 1e6:.2f} MB | "
                   f"{world * r['read_per_rank_mean'] / r['unique_bytes']:.2f}x |")

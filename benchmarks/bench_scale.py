@@ -1,37 +1,45 @@
 """Coordination at scale without a cluster: what one save and one load of an N-rank job cost,
 for N = 8, 16, ..., 4096, from statereg's real planning and commit code, with no process per rank.
 
-What it measures (re-run it unchanged after the read-once and plan-reuse work of issue 17;
-`rank_load` and SAVE_COLLECTIVES/LOAD_COLLECTIVES follow the code path of the tree measured in
-docs/performance.md, commit 0c629b9: where the engine's load or save path changes what a rank
-reads or which collectives it calls, change those two places to match, nothing else;
-benchmarks/bench_coordination.py counts the real collectives per save to check against):
+What it measures (re-run it unchanged to compare a later tree; the model follows the code
+path of the tree measured in docs/performance.md: where the engine's load or save path
+changes what a rank reads or which collectives it calls, change SAVE_COLLECTIVES /
+LOAD_COLLECTIVES, the `ledger` calls of simulate_saves / simulate_load and rank_load to
+match; benchmarks/bench_coordination.py and tests/distributed/test_save_coordination.py
+count the real collectives per save and per load to check against):
 
 - The job: `model` and `optimizer` sharded over all ranks as FSDP does it (every tensor split
   along dim 0, one chunk per rank: `--tensors` model tensors, twice as many optimizer
   moments), a global `scheduler`, per-rank `dataloader` and `rng`, on a counting in-memory
   backend (statereg's memory backend; every storage operation is one request).
-- Save, for every rank: its plan (engine/plan.py compile_plan), its DCP local save plan (the
-  WriteItems DCP makes for a DTensor shard, built directly: no DTensor, no tensor data) and
-  the storage writer's local step; then the coordinator's global plan
+- First save, for every rank: its plan (engine/plan.py compile_plan), its DCP local save plan
+  (the WriteItems DCP makes for a DTensor shard, built directly: no DTensor, no tensor data)
+  and the storage writer's local step; then the coordinator's global plan
   (StateregSavePlanner.create_global_plan, BackendWriter.prepare_global_plan) and `.metadata`
   (BackendWriter.finish, from each rank's write results); every rank's files (a placeholder
   of 64 bytes per DCP data file: the request count is the real one, not the byte count);
   the claim, the manifest (engine/save.py build_manifest), the commit (publish.commit) and
   retention, all real and counted.
-- Load, per rank, what engine/load.py and CheckpointManager._resolve make a rank do: read the
-  manifest (the real parser), verify (fast), compile the load plan (compile_load), read each
-  DCP `.metadata` and sidecar through the verifying reader, its object files, and plan its
-  reads (DCP's resharding helper over its own chunk); data reads are counted from that read
-  plan (one GET per file a rank reads items from). Rank 0 and up to `--sample` other ranks
-  run it for real; the others' figures are the sample's mean (their work differs only in
-  the names of their own files).
+- Later save (the next step, same shapes): what layouts/dcp.py SavePlans does when every
+  rank's plan digest is unchanged: no DCP collective; each rank's write results packed
+  (pack_results, ItemReports.to_send: digests only) travel to rank 0 with its file reports,
+  and rank 0 writes `.metadata` from the kept global metadata (unpack_results,
+  BackendWriter.finish); then the same files, claim, manifest, commit and retention.
+- Load, per rank, what engine/load.py, the layouts and CheckpointManager._resolve make a
+  rank do: rank 0 lists the root and reads the manifest, checks sizes from one listing, and
+  reads what every rank needs alike (each DCP `.metadata` and sidecar, the global
+  scheduler's file) through the verifying reader; every rank compiles its load plan
+  (compile_load), parses the `.metadata` it received (GroupReader.read_metadata, the real
+  class), reads its own per-rank files and plans its reads (DCP's resharding helper over
+  its own chunk); data reads are counted from that read plan (one GET per file a rank
+  reads items from). Rank 0 and up to `--sample` other ranks run it for real; the others'
+  figures are the sample's mean (their work differs only in the names of their own files).
 - Messages: collectives are not run; each one a real job calls is recorded where the code
   calls it (SAVE_COLLECTIVES, LOAD_COLLECTIVES name the file and function), with the real
-  pickled payloads (local plans, global plans, write results, `.metadata`, file reports,
-  manifest), and costed as torch.distributed's object collectives move them: every
-  *_object call first exchanges 8-byte sizes, then payloads padded to the largest;
-  all_gather N(N-1) transfers, gather/scatter/broadcast N-1.
+  pickled payloads (summaries, plan digests, local plans, global plans, write results,
+  item reports, `.metadata`, file reports, manifest), and costed as torch.distributed moves
+  them over gloo (Ledger says how). "bytes into another rank" is what one rank other than 0
+  receives: the figure that must not grow with the job for coordination to stay flat.
 - Seconds are CPU seconds of this process (time.process_time): other jobs share the cores,
   and a wall clock would measure them.
 - Growth exponent: the least-squares slope of log(figure) against log(ranks); "c" is the
@@ -47,6 +55,7 @@ benchmarks/bench_coordination.py counts the real collectives per save to check a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -84,7 +93,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from statereg import load_spec
 from statereg.backends.checksum import FileRecorder, VerifiedReads, WrittenFile
-from statereg.backends.dcp_io import BackendReader, BackendWriter
+from statereg.backends.dcp_io import (
+    BackendWriter,
+    ItemReports,
+    pack_results,
+    unpack_results,
+)
 from statereg.backends.memory import MemoryBackend
 from statereg.backends.torch_private import storage_info
 from statereg.engine.checkpoints import (
@@ -94,13 +108,21 @@ from statereg.engine.checkpoints import (
 )
 from statereg.engine.claims import claim_checkpoint
 from statereg.engine.layouts.base import Captured
-from statereg.engine.layouts.dcp import StateregSavePlanner
+from statereg.engine.layouts.dcp import GroupReader, StateregSavePlanner, plan_digest
 from statereg.engine.load import read_records
-from statereg.engine.plan import RankPlan, Saved, WorldLayout, compile_load, compile_plan
+from statereg.engine.plan import (
+    LoadTask,
+    RankPlan,
+    Saved,
+    WorldLayout,
+    compile_load,
+    compile_plan,
+)
 from statereg.engine.publish import commit
 from statereg.engine.retention import apply_retention
-from statereg.engine.save import build_manifest
+from statereg.engine.save import build_manifest, summarize
 from statereg.engine.verify import verify_files
+from statereg.engine.world import World
 from statereg.formats.names import DCP_METADATA_NAME, SIDECAR_NAME
 from statereg.schemas.manifest import MANIFEST_NAME
 from statereg.schemas.spec import RegistrySpec
@@ -154,19 +176,30 @@ class CountingMemoryBackend(MemoryBackend):
 
 @dataclass
 class Ledger:
-    """The collectives of one operation, costed as torch.distributed's object collectives."""
+    """The collectives of one operation, costed as torch.distributed moves them over gloo.
+
+    Object collectives (torch/distributed/distributed_c10d.py): all_gather_object and
+    gather_object first all-gather every rank's 8-byte size, then move payloads padded to
+    the largest; broadcast_object_list sends the size, then the bytes; scatter_object_list
+    sends the largest size, the padded pieces and each piece's size. all_gather moves
+    N(N-1) payloads, gather/scatter/broadcast N-1. all_reduce of one int64 (World.agree's
+    failure flag) is gloo's ring (gloo/allreduce.cc ring(): 2N segments, only the one
+    holding the element is sent): 2(N-1) messages of 8 bytes in the job, 2 per rank.
+    """
 
     ranks: int
-    calls: int = 0  # object collectives each rank calls
+    calls: int = 0  # collectives each rank calls
     messages: int = 0  # point-to-point transfers, whole job
     moved: int = 0  # bytes received, whole job
     into_root: int = 0  # bytes received by rank 0
+    into_other: int = 0  # bytes received by a rank other than 0 (the largest such)
     moved_by: Counter[str] = field(default_factory=Counter)  # bytes moved, per call site
 
     def _sizes(self, n: int) -> None:  # all_gather of one int64 size per rank
         self.messages += n * (n - 1)
         self.moved += 8 * n * (n - 1)
         self.into_root += 8 * (n - 1)
+        self.into_other += 8 * (n - 1)
 
     def all_gather(self, sizes: list[int], where: str) -> None:
         n, top = self.ranks, max(sizes)
@@ -176,6 +209,7 @@ class Ledger:
         self.messages += n * (n - 1)
         self.moved += top * n * (n - 1)
         self.into_root += top * (n - 1)
+        self.into_other += top * (n - 1)
         self.moved_by[f"all_gather {where}"] += self.moved - before
 
     def gather(self, sizes: list[int], where: str) -> None:
@@ -193,6 +227,7 @@ class Ledger:
         self.calls += 1
         self.messages += 3 * (n - 1)  # the largest size, the padded pieces, each piece's size
         self.moved += (n - 1) * (top + 16)
+        self.into_other += top + 16
         self.moved_by[f"scatter {where}"] += (n - 1) * (top + 16)
 
     def broadcast(self, size: int, where: str) -> None:
@@ -200,11 +235,36 @@ class Ledger:
         self.calls += 1
         self.messages += 2 * (n - 1)  # the size, then the bytes
         self.moved += (n - 1) * (size + 8)
+        self.into_other += size + 8
         self.moved_by[f"broadcast {where}"] += (n - 1) * (size + 8)
 
+    def all_reduce(self, where: str) -> None:
+        n = self.ranks
+        self.calls += 1
+        self.messages += 2 * (n - 1)
+        self.moved += 16 * (n - 1)
+        self.into_root += 16
+        self.into_other += 16
+        self.moved_by[f"all_reduce {where}"] += 16 * (n - 1)
+
     def agree(self, where: str) -> None:
-        """engine/world.py World.agree: an all_gather of None (no rank failed)."""
-        self.all_gather([len(pickle.dumps(None))] * self.ranks, f"World.agree: {where}")
+        """engine/world.py World.agree when no rank failed: one all_reduce of a flag."""
+        self.all_reduce(f"World.agree: {where}")
+
+    def from_leader(self, size: int, where: str) -> None:
+        """engine/world.py World.from_leader: a broadcast of (result, None) from the leader;
+        `size`: the pickled result."""
+        self.broadcast(size + pickled((None, None)), f"World.from_leader: {where}")
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "collectives per rank": self.calls,
+            "messages (job)": self.messages,
+            "messages per rank": self.messages / self.ranks,
+            "coordination bytes (job)": self.moved,
+            "coordination bytes into rank 0": self.into_root,
+            "coordination bytes into another rank": self.into_other,
+        }
 
 
 def pickled(obj: Any) -> int:
@@ -277,151 +337,254 @@ def relative(files: list[WrittenFile], name: str) -> list[WrittenFile]:
     return [WrittenFile(f.path.removeprefix(f"{name}/"), f.size, f.checksum) for f in files]
 
 
-# Where the engine calls each collective of one save (sync, not incremental) on this tree.
+# Where the engine calls each collective of one save (sync, not incremental) on this tree;
+# simulate_saves records them in this order. tests/distributed/test_save_coordination.py and
+# benchmarks/bench_coordination.py count the real calls (8 and 4 for two DCP components).
 SAVE_COLLECTIVES = """\
-engine/saver.py Saver.save: World.agree (reading state), check_consistency all_gather,
-  check_replicas all_gather, World.agree (validating replicas)
-engine/save.py _save_checkpoint: World.agree (claim)
-per dcp component, layouts/dcp.py DCPLayout.write -> dcp.save (state_dict_saver
-  _save_state_dict): gather local plans, scatter global plans, gather write results,
-  broadcast .metadata
-engine/save.py _save_checkpoint: World.agree (writing), all_gather file reports,
-  World.agree (commit), broadcast Committed (the manifest)"""
+engine/saver.py Saver.save: World.gather_checked (reading state): all_gather of each rank's
+  (SaveSummary, failure); check_consistency / check_replicas call none while digests agree
+engine/save.py _save_checkpoint: World.gather_checked (claim): all_gather of each rank's
+  (DCP plan digests, failure)
+first save only, per dcp component, layouts/dcp.py DCPLayout.write -> dcp.save
+  (state_dict_saver._save_state_dict): gather local plans, scatter global plans, gather
+  write results, broadcast .metadata (a later save of unchanged plans: SavePlans.write_again,
+  no collective)
+engine/save.py _save_checkpoint: World.gather_on_leader: gather of each rank's (failure,
+  files, item reports) to rank 0; World.broadcast of rank 0's failure (None)"""
 LOAD_COLLECTIVES = """\
-manager.py CheckpointManager._resolve: broadcast the checkpoint name
-engine/load.py load_checkpoint: World.agree (compile_load), agree (verify), agree (prepare)
-per dcp component, layouts/dcp.py DCPLayout.prepare -> dcp.load (_load_state_dict):
-  gather local load plans, scatter global plans, all_gather read results
-engine/load.py load_checkpoint: World.agree (apply)"""
+manager.py CheckpointManager._resolve: World.from_leader (_find_here): broadcast of the
+  Committed checkpoint (the manifest) read by rank 0
+engine/load.py load_checkpoint: World.agree (checking); _verify_share fast: World.from_leader
+  (rank 0's listing; broadcast None); World.agree (verifying)
+per component, engine/load.py prepare: dcp (layouts/dcp.py DCPLayout.prepare): from_leader
+  of the sidecar (if any) and of .metadata (ReadContext.read_once), gather_checked of the
+  targets' fingerprints (all_gather); object_file with a collective (global): from_leader
+  of its file; then World.agree
+per component, apply: dcp not shared (sharded targets) -> dcp.load (_load_state_dict):
+  gather local load plans, scatter global plans, all_gather read results; then World.agree"""
 
 
-def simulate_save(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: int,
-                  tensors: int) -> tuple[dict[str, float], Ledger]:
+def summary_bytes(spec: RegistrySpec, tensors: int) -> int:
+    """engine/saver.py's all_gather payload: (SaveSummary, None), from the real summarize()
+    (no component declares validate, so no replica digests)."""
+    captured = [Captured(t, tensors={n: torch.empty(0) for n in tensor_names(t.component,
+                                                                             tensors)}
+                         if t.layout == "dcp" else None)
+                for t in compile_plan(spec, WorldLayout(0, 8), spec.storage.url).tasks
+                if t.takes_part]
+    return pickled((summarize(spec, captured, 8), None))
+
+
+def simulate_saves(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: int,
+                   tensors: int) -> list[tuple[dict[str, float], Ledger]]:
+    """A first save (DCP plans) and a later save of the same shapes (kept plans), each with
+    its figures and ledger; storage requests are counted per save."""
     world = WorldLayout(0, ranks)
-    name = checkpoint_name(STEP)
-    ledger = Ledger(ranks)
     started = time.process_time()
     plans = [compile_plan(spec, world.at(r), spec.storage.url) for r in range(ranks)]
     plan_s = time.process_time() - started
-    digest = len(pickle.dumps("0" * 16))
-    ledger.agree("saver.py reading state")
-    ledger.all_gather([digest] * ranks, "save.py check_consistency (state digest)")
-    ledger.all_gather([pickled({})] * ranks, "save.py check_replicas (summaries)")
-    ledger.agree("saver.py validating replicas")
-    backend.rank = 0
-    claim = claim_checkpoint(backend, name)
-    ledger.agree("save.py claim")
-    files: list[list[WrittenFile]] = [[] for _ in range(ranks)]
-    coordinator_s = 0.0
-    local_plan_bytes = 0
-    metadata_bytes = 0
-    for component in ("model", "optimizer"):
-        names = tensor_names(component, tensors)
-        directory = plans[0].task(component).directory
-        writers = []
-        local_plans = []
+    summary = summary_bytes(spec, tensors)
+    components = ("model", "optimizer")
+    local = {c: [local_save_plan(tensor_names(c, tensors), r, ranks) for r in range(ranks)]
+             for c in components}
+    # SavePlans.digest: one plan_digest per DCP component (fixed length: rank 0's stands in).
+    digests = pickled(({c: plan_digest(local[c][0]) for c in components}, None))
+    kept: dict[str, Any] = {}  # what SavePlans keeps after the first save, per component
+    results: list[tuple[dict[str, float], Ledger]] = []
+    for save in ("first", "later"):
+        step = STEP if save == "first" else STEP + 1
+        name = checkpoint_name(step)
+        ledger = Ledger(ranks)
+        backend.requests.clear()
+        ledger.all_gather([summary] * ranks, "saver.py gather_checked (reading state)")
+        backend.rank = 0
+        claim = claim_checkpoint(backend, name)
+        ledger.all_gather([digests] * ranks, "save.py gather_checked (claim, plan digests)")
+        files: list[list[WrittenFile]] = [[] for _ in range(ranks)]
+        outgoing: list[dict[str, ItemReports]] = [{} for _ in range(ranks)]
+        coordinator_s = 0.0
+        local_plan_bytes = metadata_bytes = 0
+        for component in components:
+            directory = plans[0].task(component).directory
+            if save == "first":
+                figures = first_dcp_save(backend, name, directory, local[component], ledger,
+                                         component)
+                kept[component], local_plan_bytes, seconds, written = (
+                    figures[0], local_plan_bytes + figures[1], figures[2], figures[3])
+            else:
+                seconds, written = later_dcp_save(backend, name, directory, kept[component],
+                                                  outgoing)
+            coordinator_s += seconds
+            metadata_bytes += sum(f.size for f in written)
+            files[0] += relative(written, name)
         for rank in range(ranks):
             backend.rank = rank
-            writer = BackendWriter(backend, f"{name}/{directory}", FileRecorder())
-            writer.set_up_storage_writer(rank == 0)
-            local_plans.append(writer.prepare_local_plan(local_save_plan(names, rank, ranks)))
-            writers.append(writer)
-        sizes = pickled_each(local_plans)
-        local_plan_bytes += sum(sizes)
-        ledger.gather(sizes, f"dcp.save {component}: local plans")
-        started = time.process_time()
-        planner = StateregSavePlanner()
-        global_plans, md = planner.create_global_plan(local_plans)
-        global_plans = writers[0].prepare_global_plan(global_plans)
-        coordinator_s += time.process_time() - started
-        ledger.scatter(pickled_each(global_plans), f"dcp.save {component}: global plans")
-        results = [write_results(plan, f"{plan.storage_data}0.distcp") for plan in global_plans]
-        ledger.gather(pickled_each(results), f"dcp.save {component}: write results")
+            files[rank] += relative(rank_files(backend, name, plans[rank]), name)
+        ledger.gather(pickled_each([(None, (f, None, o)) for f, o in zip(files, outgoing,
+                                                                          strict=True)]),
+                      "save.py gather_on_leader (file and item reports)")
         backend.rank = 0
+        every_file = sorted({f.path: f for rank in files for f in rank}.values(),
+                            key=lambda f: f.path)
+        captured = [Captured(t, tensors=dict.fromkeys(tensor_names(t.component, tensors))
+                             if t.layout == "dcp" else None)
+                    for t in plans[0].tasks if t.takes_part]
         started = time.process_time()
-        writers[0].finish(md, results)
-        coordinator_s += time.process_time() - started
-        written = writers[0].fs.recorder.files()
-        metadata_bytes += sum(f.size for f in written)
-        files[0] += relative(written, name)
-        ledger.broadcast(pickled(md), f"dcp.save {component}: .metadata")
+        manifest = build_manifest(spec, captured, every_file, step, None, {}, ranks)
+        commit(backend, name, manifest, claim)
+        commit_s = time.process_time() - started
+        ledger.broadcast(pickled([None]), "save.py broadcast (rank 0's failure: None)")
+        apply_retention(backend, spec.save, name)
+        results.append(({
+            **ledger.figures(),
+            "local plan bytes (pickled, job)": local_plan_bytes,
+            ".metadata bytes": metadata_bytes,
+            "manifest bytes": len(manifest.to_json()),
+            "storage requests (job)": sum(backend.requests.values()),
+            "storage requests on rank 0": backend.requests[0],
+            "plan s (compile_plan, all ranks)": plan_s,
+            "coordinator s (.metadata)": coordinator_s,
+            "commit s (manifest, commit)": commit_s,
+        }, ledger))
+    return results
+
+
+def first_dcp_save(backend: CountingMemoryBackend, name: str, directory: str,
+                   local_plans: list[SavePlan], ledger: Ledger, component: str,
+                   ) -> tuple[dict[str, Any], int, float, list[WrittenFile]]:
+    """dcp.save of one component over every rank (DCP's four collectives); returns what
+    SavePlans.learn keeps (the coordinator's global metadata and every member's item
+    indices and packed reports), the pickled local plans' bytes, the coordinator's CPU
+    seconds and the files it wrote (.metadata)."""
+    ranks = len(local_plans)
+    writers = []
+    prepared = []
     for rank in range(ranks):
         backend.rank = rank
-        files[rank] += relative(rank_files(backend, name, plans[rank]), name)
-    ledger.agree("save.py writing")
-    ledger.all_gather(pickled_each([(f, None) for f in files]), "save.py file reports")
-    backend.rank = 0
-    every_file = sorted({f.path: f for rank in files for f in rank}.values(),
-                        key=lambda f: f.path)
-    captured = [Captured(t, tensors=dict.fromkeys(tensor_names(t.component, tensors))
-                         if t.layout == "dcp" else None)
-                for t in plans[0].tasks if t.takes_part]
+        writer = BackendWriter(backend, f"{name}/{directory}", FileRecorder())
+        writer.set_up_storage_writer(rank == 0)
+        prepared.append(writer.prepare_local_plan(local_plans[rank]))
+        writers.append(writer)
+    sizes = pickled_each(prepared)
+    ledger.gather(sizes, f"dcp.save {component}: local plans")
     started = time.process_time()
-    manifest = build_manifest(spec, captured, every_file, STEP, None, {}, ranks)
-    commit(backend, name, manifest, claim)
-    commit_s = time.process_time() - started
-    ledger.agree("save.py commit")
-    ledger.broadcast(pickled(manifest), "save.py Committed (manifest)")
-    apply_retention(backend, spec.save, name)
-    figures = {
-        "collectives per rank": ledger.calls,
-        "messages (job)": ledger.messages,
-        "messages per rank": ledger.messages / ranks,
-        "coordination bytes (job)": ledger.moved,
-        "coordination bytes into rank 0": ledger.into_root,
-        "local plan bytes (pickled, job)": local_plan_bytes,
-        ".metadata bytes": metadata_bytes,
-        "manifest bytes": len(manifest.to_json()),
-        "storage requests (job)": sum(backend.requests.values()),
-        "storage requests on rank 0": backend.requests[0],
-        "plan s (compile_plan, all ranks)": plan_s,
-        "coordinator s (global plan, .metadata)": coordinator_s,
-        "commit s (manifest, commit)": commit_s,
-    }
-    return figures, ledger
+    planner = StateregSavePlanner()
+    global_plans, md = planner.create_global_plan(prepared)
+    global_plans = writers[0].prepare_global_plan(global_plans)
+    seconds = time.process_time() - started
+    ledger.scatter(pickled_each(global_plans), f"dcp.save {component}: global plans")
+    results = [write_results(plan, f"{plan.storage_data}0.distcp") for plan in global_plans]
+    ledger.gather(pickled_each(results), f"dcp.save {component}: write results")
+    backend.rank = 0
+    started = time.process_time()
+    writers[0].finish(md, results)
+    seconds += time.process_time() - started
+    ledger.broadcast(pickled(md), f"dcp.save {component}: .metadata")
+    members = [[item.index for item in plan.items] for plan in global_plans]
+    kept = {"metadata": dataclasses.replace(md, storage_data=None), "members": members,
+            "reports": [pack_results(i, r) for i, r in zip(members, results, strict=True)],
+            "results": results}
+    return kept, sum(sizes), seconds, writers[0].fs.recorder.files()
+
+
+def later_dcp_save(backend: CountingMemoryBackend, name: str, directory: str,
+                   kept: dict[str, Any], outgoing: list[dict[str, ItemReports]],
+                   ) -> tuple[float, list[WrittenFile]]:
+    """A later save of one component by its kept plan (SavePlans.write_again: no
+    collective): each rank's packed reports go out with its file reports
+    (ItemReports.to_send: digests only, the locations did not move), and the coordinator
+    writes .metadata from its kept metadata as SavePlans._write_metadata does."""
+    component = directory.split("/")[0]
+    sent = []
+    for rank, (indices, results) in enumerate(zip(kept["members"], kept["results"],
+                                                  strict=True)):
+        reports = pack_results(indices, results).to_send(kept["reports"][rank])
+        outgoing[rank][component] = reports
+        sent.append(reports)
+    backend.rank = 0
+    writer = BackendWriter(backend, f"{name}/{directory}", FileRecorder())
+    writer.set_up_storage_writer(True)
+    started = time.process_time()
+    unpacked = [unpack_results(indices, theirs, last)[0] for indices, theirs, last
+                in zip(kept["members"], sent, kept["reports"], strict=True)]
+    writer.finish(dataclasses.replace(kept["metadata"]), unpacked)
+    return time.process_time() - started, writer.fs.recorder.files()
+
+
+@dataclass
+class RankLoad:
+    """One rank's part of a load."""
+
+    plan_s: float = 0.0  # planning its reads (DCP's resharding over its chunk)
+    data_gets: int = 0  # data files it reads items from
+    plan_bytes: int = 0  # its pickled local load plans
+    # Rank 0's alone: its load tasks, and the pickled size of what it reads for every rank
+    # (the manifest; files by their path in the checkpoint).
+    tasks: dict[str, LoadTask] = field(default_factory=dict)
+    shared: dict[str, int] = field(default_factory=dict)
 
 
 def rank_load(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: int, rank: int,
-              tensors: int) -> tuple[float, int, int]:
-    """One rank's storage work of a load, as engine/load.py and manager._resolve do it now.
-
-    Returns (seconds planning its reads, its data file GETs, its pickled local load plans).
-    """
+              tensors: int, received: dict[str, Any]) -> RankLoad:
+    """One rank's storage work of a load, as engine/load.py, manager._resolve and the
+    layouts do it: rank 0 (every collective's leader here) lists the root, reads the
+    manifest, checks sizes from one listing and reads what every rank needs alike (DCP
+    .metadata, the sidecar, the global scheduler's file); `received` keeps those for the
+    other ranks, which read only their own files (per-rank state, their DCP data files)."""
     backend.rank = rank
     world = WorldLayout(rank, ranks)
-    if rank == 0:  # _resolve: rank 0 finds the newest committed checkpoint
-        latest = latest_committed(backend)
-        assert latest is not None
-    name = checkpoint_name(STEP)
-    manifest = read_manifest_at(backend, name)  # _resolve: every rank reads the manifest
+    run = RankLoad()
+    if rank == 0:  # _resolve -> World.from_leader(_find_here): rank 0 alone
+        committed = latest_committed(backend)
+        assert committed is not None
+        received["committed"] = committed
+        run.shared["manifest"] = pickled(committed)
+    committed = received["committed"]
+    name, manifest = committed.name, committed.manifest
     names = list(spec.components)
     saved = {n: Saved(r.kind, r.sharing, r.format, manifest.world_size, tuple(r.files))
              for n, r in manifest.components.items()}
     tasks = compile_load(spec, saved, names, world, name)
+    if rank == 0:
+        run.tasks = tasks
     selected = {p for n in names for p in manifest.components[n].files}
     files = [f for f in manifest.files if f.path in selected]
-    verify_files(backend, name, files[rank::ranks], "fast")
+    if rank == 0:  # load.py _verify_share, fast: rank 0's listing
+        verify_files(backend, name, files, "fast")
     records = read_records(manifest, name, names)
     reader = VerifiedReads(backend, records)
-    plan_s, data_gets, plan_bytes = 0.0, 0, 0
+
+    def once(path: str, collective: str | None) -> bytes:
+        """ReadContext.read_once: the collective's leader (rank 0 here) reads, others get."""
+        if collective is None:
+            return reader.read_bytes(path)
+        if rank == 0:
+            received[path] = reader.read_bytes(path)
+            run.shared[path.removeprefix(f"{name}/")] = pickled(received[path])
+        return received[path]  # type: ignore[no-any-return]
+
     for component, task in tasks.items():
         if task.layout != "dcp":
             for path in task.state_files:
-                reader.read_bytes(f"{name}/{path}")
+                once(f"{name}/{path}", task.collective)
             continue
-        dcp_reader = BackendReader(reader, f"{name}/{task.directory}", records=records)
+        directory = f"{name}/{task.directory}"
         if f"{task.directory}/{SIDECAR_NAME}" in manifest.components[component].files:
-            reader.read_bytes(f"{name}/{task.directory}/{SIDECAR_NAME}")
-        md = dcp_reader.read_metadata()
-        dcp_reader.verify_unchecked(md)
+            once(f"{directory}/{SIDECAR_NAME}", task.collective)
+        group_reader = GroupReader(reader, directory, records,
+                                   once(f"{directory}/{DCP_METADATA_NAME}", task.collective),
+                                   World(), None)
+        md = group_reader.read_metadata()
+        group_reader.verify_unchecked(md)
         started = time.process_time()
         items = [read for fqn in tensor_names(component, tensors) for read in
                  create_read_items_for_chunk_list(fqn, md.state_dict_metadata[fqn],
                                                   [chunk_of(rank)])]
-        plan_s += time.process_time() - started
-        plan_bytes += pickled(LoadPlan(items))
-        data_gets += len({md.storage_data[item.storage_index].relative_path for item in items})
-    return plan_s, data_gets, plan_bytes
+        run.plan_s += time.process_time() - started
+        run.plan_bytes += pickled(LoadPlan(items))
+        run.data_gets += len({md.storage_data[item.storage_index].relative_path
+                              for item in items})
+    return run
 
 
 def simulate_load(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: int,
@@ -429,7 +592,8 @@ def simulate_load(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: int
     for counter in (backend.requests, backend.bytes_read, backend.listed, backend.read_by):
         counter.clear()
     others = sorted(set(range(1, ranks, max(1, (ranks - 1) // sample))[:sample]))
-    runs = {r: rank_load(backend, spec, ranks, r, tensors) for r in [0, *others]}
+    received: dict[str, Any] = {}
+    runs = {r: rank_load(backend, spec, ranks, r, tensors, received) for r in [0, *others]}
     started = time.process_time()
     for rank in range(ranks):  # compile_load is cheap: every rank's, for real
         manifest_saved = {n: Saved(c.kind, c.resolved_sharing, c.resolved_format, ranks, ())
@@ -442,28 +606,43 @@ def simulate_load(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: int
         rest = [per_rank[r] for r in others]
         return per_rank[0] + (statistics.fmean(rest) * (ranks - 1) if rest else 0.0)
 
+    shared = runs[0].shared
     ledger = Ledger(ranks)
-    ledger.broadcast(pickled(checkpoint_name(STEP)), "manager.py _resolve: checkpoint name")
-    for what in ("compile_load", "verify", "prepare"):
-        ledger.agree(f"load.py {what}")
-    plan_size = statistics.fmean(runs[r][2] for r in runs) / 2  # two dcp components
-    for component in ("model", "optimizer"):
-        sizes = [int(plan_size)] * ranks
-        ledger.gather(sizes, f"dcp.load {component}: local plans")
-        ledger.scatter(sizes, f"dcp.load {component}: global plans")
-        ledger.all_gather([pickled(None)] * ranks, f"dcp.load {component}: read results")
-    ledger.agree("load.py apply")
+    ledger.from_leader(shared["manifest"], "manager.py _resolve (the manifest)")
+    ledger.agree("load.py checking")
+    ledger.from_leader(pickled(None), "load.py _verify_share (rank 0's listing)")
+    ledger.agree("load.py verifying")
+    plan_size = statistics.fmean(runs[r].plan_bytes for r in runs) / 2  # two dcp components
+    tasks = runs[0].tasks  # the same collectives on every rank
+    for component, task in tasks.items():  # prepare
+        if task.layout == "dcp":
+            sidecar = f"{task.directory}/{SIDECAR_NAME}"
+            if sidecar in shared:
+                ledger.from_leader(shared[sidecar], f"dcp.py prepare {component}: sidecar")
+            ledger.from_leader(shared[f"{task.directory}/{DCP_METADATA_NAME}"],
+                               f"dcp.py prepare {component}: .metadata")
+            # Sharded targets (DTensor) have no fingerprint: every rank sends None.
+            ledger.all_gather([pickled((None, None))] * ranks,
+                              f"dcp.py prepare {component}: gather_checked (fingerprints)")
+        elif task.collective is not None:
+            for path in task.state_files:
+                ledger.from_leader(shared[path], f"object_file.py prepare {component}")
+        ledger.agree(f"load.py prepare {component}")
+    for component, task in tasks.items():  # apply
+        if task.layout == "dcp":
+            sizes = [int(plan_size)] * ranks
+            ledger.gather(sizes, f"dcp.load {component}: local plans")
+            ledger.scatter(sizes, f"dcp.load {component}: global plans")
+            ledger.all_gather([pickled(None)] * ranks, f"dcp.load {component}: read results")
+        ledger.agree(f"load.py apply {component}")
     return {
-        "collectives per rank": ledger.calls,
-        "messages (job)": ledger.messages,
-        "messages per rank": ledger.messages / ranks,
-        "coordination bytes (job)": ledger.moved,
+        **ledger.figures(),
         "storage requests (job)": job({r: backend.requests[r] for r in runs}),
         "storage requests on rank 0": backend.requests[0],
         "metadata bytes read (job)": job({r: backend.bytes_read[r] for r in runs}),
         "listed entries (job)": job({r: backend.listed[r] for r in runs}),
-        "data file GETs (job)": job({r: runs[r][1] for r in runs}),
-        "read plan s per rank (DCP resharding)": max(runs[r][0] for r in runs),
+        "data file GETs (job)": job({r: runs[r].data_gets for r in runs}),
+        "read plan s per rank (DCP resharding)": max(runs[r].plan_s for r in runs),
         "compile_load s (all ranks)": compile_s,
     }, ledger
 
@@ -568,7 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-ranks must be at least 16: an exponent needs two job sizes (8, 16)")
     ranks = [2 ** e for e in range(3, int(math.log2(args.max_ranks)) + 1)]
     wall = time.perf_counter()
-    save_rows: dict[str, list[float]] = {}
+    first_rows: dict[str, list[float]] = {}
+    later_rows: dict[str, list[float]] = {}
     load_rows: dict[str, list[float]] = {}
     # Millions of small plan objects live at once: a cyclic GC pass would walk them all, again
     # and again, and charge its time to whatever runs (statereg pauses it around .metadata).
@@ -577,11 +757,12 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         backend = CountingMemoryBackend(f"memory://statereg-bench-scale/job-{n}")
         spec = job_spec(backend.url)
-        save, save_ledger = simulate_save(backend, spec, n, args.tensors)
+        (first, first_ledger), (later, later_ledger) = simulate_saves(backend, spec, n,
+                                                                      args.tensors)
         load, load_ledger = simulate_load(backend, spec, n, args.tensors, args.sample)
         read_by = dict(backend.read_by)
         backend.remove_tree("")
-        for rows, figures in ((save_rows, save), (load_rows, load)):
+        for rows, figures in ((first_rows, first), (later_rows, later), (load_rows, load)):
             for label, value in figures.items():
                 rows.setdefault(label, []).append(float(value))
         print(f"# {n} ranks done at {time.perf_counter() - wall:.1f} s", file=sys.stderr)
@@ -590,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# statereg coordination at scale: {tensors} sharded tensors, one chunk per rank; "
              f"{time.process_time():.0f} s of CPU, {time.perf_counter() - wall:.0f} s of wall "
              "clock", ""]
-    lines += table("save (one checkpoint)", ranks, save_rows)
+    lines += table("first save (DCP plans)", ranks, first_rows)
+    lines += table("later save (kept plans, unchanged shapes)", ranks, later_rows)
     lines += table("load (the newest checkpoint, same world size)", ranks, load_rows)
     lines += [
         f"manifest of a {args.manifest_ranks}-rank, {args.manifest_tensors}-tensor checkpoint "
@@ -600,15 +782,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{manifest['incremental parse s']:.3f} s (read_manifest_at: read, manifest.sum, "
         "parse)", "",
         f"where the coordination bytes go at {ranks[-1]} ranks (largest first):",
-        *where(save_ledger.moved_by, "save"), *where(load_ledger.moved_by, "load"),
-        f"what rank 0 reads in a load at {ranks[-1]} ranks (every other rank reads the same "
-        "shared files):", *where(read_by, "load"), "",
+        *where(first_ledger.moved_by, "first save"), *where(later_ledger.moved_by, "later save"),
+        *where(load_ledger.moved_by, "load"),
+        f"what rank 0 reads in a load at {ranks[-1]} ranks (for every rank: the others "
+        "read only their own files):", *where(read_by, "load"), "",
         "collectives of one save, where the engine calls them:", SAVE_COLLECTIVES, "",
         "collectives of one load:", LOAD_COLLECTIVES,
     ]
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"ranks": ranks, "save": save_rows, "load": load_rows,
+        args.json.write_text(json.dumps({"ranks": ranks, "first save": first_rows,
+                                         "later save": later_rows, "load": load_rows,
                                          "manifest": manifest}, indent=1))
     return 0
 
