@@ -486,7 +486,6 @@ def test_the_cli_run_id_is_the_tier_engine_run_id(monkeypatch: pytest.MonkeyPatc
     assert tier_report.run_id(spec).startswith("run-")
     monkeypatch.setenv("STATEREG_RUN_ID", "job 7/a")
     assert tier_report.run_id(spec) == tiers.run_id(spec) == "job_7_a"
-    assert tier_report.SMALL_FILES_BYTES == tiers._SMALL_FILES
 
 
 def test_ls_with_tiers_shows_where_each_step_lives_without_torch(

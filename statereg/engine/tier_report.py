@@ -2,8 +2,8 @@
 lives (docs/tiers.md, docs/cli.md).
 
 Torch-free, like the commands that print it: plan and ls answer in well under a second.
-`run_id` and `SMALL_FILES_BYTES` repeat what engine/tiers.py computes (which imports torch);
-tests/test_cli.py checks that both agree.
+`run_id` and `SMALL_FILES_BYTES` live here, and engine/tiers.py (which imports torch) uses
+them, so the CLI and the engine name the same memory folder and do the same math.
 """
 
 from __future__ import annotations

@@ -24,8 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +46,7 @@ from statereg.engine.copy import copy_checkpoint
 from statereg.engine.plan import RankPlan, compile_plan
 from statereg.engine.retention import apply_retention
 from statereg.engine.saver import SaveHandle, Saver
+from statereg.engine.tier_report import SMALL_FILES_BYTES, run_id
 from statereg.engine.world import World, attempt
 from statereg.errors import (
     CheckpointNotFoundError,
@@ -61,11 +60,7 @@ from statereg.state.protocols import TensorState
 
 logger = logging.getLogger("statereg")
 
-RUN_ID_ENV = "STATEREG_RUN_ID"
 IDENTITY_NAME = "identity.json"
-# Room for what is not a tensor (manifests, JSON state, DCP metadata) in the memory math.
-_SMALL_FILES = 16 * 1024 * 1024
-_SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
 def _committed(backend: StorageBackend, name: str) -> bool:
@@ -75,15 +70,6 @@ def _committed(backend: StorageBackend, name: str) -> bool:
     except (CheckpointNotFoundError, ManifestError, CorruptCheckpointError):
         return False
     return True
-
-
-def run_id(spec: RegistrySpec) -> str:
-    """$STATEREG_RUN_ID, else `run-` and a digest of storage.url (a run is its durable root:
-    a restarted job with the same storage.url finds its memory checkpoints again)."""
-    given = os.environ.get(RUN_ID_ENV)
-    if given:
-        return _SAFE.sub("_", given)
-    return "run-" + hashlib.sha256(spec.storage.url.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -140,14 +126,14 @@ def rank_bytes(spec: RegistrySpec, world: World, adapters: dict[str, Any]) -> li
 
 def state_bytes(spec: RegistrySpec, world: World, adapters: dict[str, Any]) -> int:
     """Bytes one checkpoint of the live state takes, summed over every rank (collective)."""
-    return sum(rank_bytes(spec, world, adapters)) + _SMALL_FILES
+    return sum(rank_bytes(spec, world, adapters)) + SMALL_FILES_BYTES
 
 
 def node_bytes(nodes: Nodes, per_rank: list[int], node: int, replicate: bool) -> int:
     """Bytes one memory checkpoint takes in `node`'s memory: its own ranks' files (and its
     previous node's, which it holds as a replica) plus room for small files."""
     held = {node, nodes.previous(node)} if replicate else {node}
-    return sum(b for r, b in enumerate(per_rank) if nodes.of_rank[r] in held) + _SMALL_FILES
+    return sum(b for r, b in enumerate(per_rank) if nodes.of_rank[r] in held) + SMALL_FILES_BYTES
 
 
 class TierEngine:

@@ -194,13 +194,13 @@ def test_without_replica_ranks_read_other_nodes_and_a_lost_node_uses_storage(
 
 @pytest.mark.parametrize("replicate", [True, False])
 def test_the_memory_math_counts_the_peer_replica(replicate: bool) -> None:
-    from statereg.engine.tiers import _SMALL_FILES, Nodes, node_bytes
+    from statereg.engine.tiers import SMALL_FILES_BYTES, Nodes, node_bytes
 
     nodes = Nodes.from_names(["a", "a", "b", "b", "c", "c"])
     per_rank = [10, 20, 30, 40, 50, 60]
     own = 50 + 60
     held = own + (30 + 40 if replicate else 0)  # node c holds node b's files
-    assert node_bytes(nodes, per_rank, 2, replicate) == held + _SMALL_FILES
+    assert node_bytes(nodes, per_rank, 2, replicate) == held + SMALL_FILES_BYTES
     assert nodes.previous(0) == 2 and nodes.leader(1) == 2 and nodes.count == 3
 
 
