@@ -163,6 +163,7 @@ class TierEngine:
         world.agree(error, f"opening the memory tier {self.memory.url}")
         self._server: PeerServer | None = None
         self._replica: threading.Thread | None = None
+        self._retention: threading.Thread | None = None
         if self.nodes.count > 1:
             self._connect_peers(folder)
         self._saver = Saver(spec, self.memory, world)
@@ -221,6 +222,7 @@ class TierEngine:
             else:
                 self._join_drain()
         if self.leads:
+            self._join_retention()
             self._drop_stale(step)
         handle = self._saver.save(plan, adapters, step, tokens_seen, extra)
         held = self._share(name) if self.nodes.count > 1 else self._held()
@@ -316,14 +318,30 @@ class TierEngine:
         return self._drain is not None and not self._drain.done()
 
     def _retain_memory(self, saved: str, held: str | None) -> None:
-        """Keep the newest keep_last memory checkpoints and the one a drain reads."""
+        """Keep the newest keep_last memory checkpoints and the one a drain reads, on a
+        thread: freeing tmpfs pages costs about as much as writing them (measured: unlinking
+        a 0.5 GB checkpoint took longer than a third of its save), and the loop need not
+        wait for it. The next save, a restore and close() wait for it."""
         keep = SaveSpec(keep_last=self.tiers.memory.keep_last)
-        self._join_replica()  # it writes into the checkpoints retention may delete
-        try:
-            apply_retention(self.memory, keep, held or saved)
-        except Exception as exc:  # the save is committed: retry at the next save
-            logger.warning("memory retention in %s failed (%s); the next save retries",
-                           self.memory.url, exc)
+        replica = self._replica  # it writes into the checkpoints retention may delete
+
+        def retain() -> None:
+            if replica is not None:
+                replica.join()
+            try:
+                apply_retention(self.memory, keep, held or saved)
+            except Exception as exc:  # the save is committed: retry at the next save
+                logger.warning("memory retention in %s failed (%s); the next save retries",
+                               self.memory.url, exc)
+
+        self._retention = threading.Thread(target=retain, name="statereg-retention",
+                                           daemon=True)
+        self._retention.start()
+
+    def _join_retention(self) -> None:
+        if self._retention is not None:
+            self._retention.join()
+            self._retention = None
 
     def _start_drain(self, name: str) -> None:
         if self._drainer is None:
@@ -359,9 +377,11 @@ class TierEngine:
             drain.exception()  # logged by the drain itself; wait() reports it
 
     def wait(self) -> None:
-        """Block until the drain in flight is committed; raise if a drain failed since the
-        last wait (the memory checkpoints are intact: only the durable copy is missing)."""
+        """Block until the drain in flight is committed (and memory retention is done);
+        raise if a drain failed since the last wait (the memory checkpoints are intact: only
+        the durable copy is missing)."""
         self._join_drain()
+        self._join_retention()
         error, self._drain_error = self._drain_error, None
         if error is not None:
             raise StateregError(f"a drain to {self.durable.url} failed: {error}; the memory "
@@ -379,6 +399,7 @@ class TierEngine:
                 self._drainer.shutdown()
                 self._drainer = None
             self._join_replica()
+            self._join_retention()
             if self.nodes.count > 1:
                 self.world.all_gather(None)  # every rank's drain and replica is done
                 if self._server is not None:
@@ -428,6 +449,7 @@ class TierEngine:
         """
         mine: Any = None
         if self.leads:
+            self._join_retention()
             mine, error = attempt(lambda: {step: found for step, found in self.inventory().items()
                                            if step not in unusable})
             if error is not None:
