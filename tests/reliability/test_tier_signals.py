@@ -48,6 +48,9 @@ from statereg.engine.verify import verify_files
 from statereg.errors import SpecError
 
 GRACE_S = 10.0
+# A trainer waits for its signal in a session of its own, so it outlives a test run that is
+# interrupted before sending it: it gives up after this long rather than train forever.
+ORPHAN_S = 180.0
 RUNS = 20
 SEED = int(os.environ.get("STATEREG_SIGNAL_DRILL_SEED", "1616"))
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
@@ -138,14 +141,18 @@ def train(mode: str, root: Path) -> None:
     trainee = Trainee()
     mgr = statereg.CheckpointManager(spec(root, mode), model=trainee.model,
                                      optimizer=trainee.optimizer)
+    deadline = time.monotonic() + ORPHAN_S
     for step, batch in enumerate(batches(workers=2), start=1):
+        if time.monotonic() > deadline:
+            os._exit(97)  # never signalled: the test that started it is gone
         trainee.step(batch)
         mgr.save(step)
         if mode == "drill" and step == 2:
             announce(root / "started", "step 2")
         if mode == "no_tiers" and step == 3:
-            while True:  # the signal comes while the async save is held, outside save()
-                time.sleep(0.05)
+            while time.monotonic() < deadline:  # the signal comes while the async save
+                time.sleep(0.05)                 # is held, outside save()
+            os._exit(97)
 
 
 def child(mode: str, root: Path, env: dict[str, str], rank: int | None = None) -> None:
