@@ -224,6 +224,9 @@ class _RangeReads(io.RawIOBase):
         else:
             start, end = self._pos, self._pos + wanted
         self._buffer = b""  # the previous run is released before the next one arrives
+        if self._size is not None and start >= self._size:
+            self._buffer_start = start  # the end of the file: stores refuse such a range
+            return
         self._buffer_start, self._buffer = start, self._backend.read_range(self._path, start, end)
 
 
@@ -254,6 +257,11 @@ class StorageBackend:
     probe_exclusive: ClassVar[bool] = True
     # What the store calls the top level of a URL, in messages.
     bucket_word: ClassVar[str] = "bucket"
+    # Whether ranks that need the same bytes should have one rank read them and broadcast
+    # them over the process group (engine/layouts/dcp.py GroupReader): true where a read
+    # crosses a network or a disk; false for host memory, which each rank reads faster than
+    # gloo moves it.
+    broadcast_reads: ClassVar[bool] = True
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/") or url

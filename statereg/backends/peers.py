@@ -99,15 +99,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(end - start))
             self.end_headers()
-            if body:
-                file.seek(start)
-                left = end - start
+            if body:  # the kernel copies page cache to socket (the headers are flushed)
+                offset, left = start, end - start
                 while left > 0:
-                    chunk = file.read(min(_CHUNK, left))
-                    if not chunk:
+                    sent = os.sendfile(self.connection.fileno(), file.fileno(), offset, left)
+                    if not sent:
                         break
-                    self.wfile.write(chunk)
-                    left -= len(chunk)
+                    offset, left = offset + sent, left - sent
 
     def _relative(self) -> str | None:
         """The requested path below the folder, or None if the token is wrong or the path
@@ -187,6 +185,8 @@ class NodeMemoryBackend(SharedMemoryBackend):
         super().__init__(url)
         self.peers = list(peers or [])
         self.holders: dict[str, tuple[int, list[int]]] = {}
+        # Set by the restore, alike on every rank (engine/tiers.py nearest).
+        self.broadcast_reads = False
         self._found: dict[str, StorageBackend] = {}
         self._lock = threading.Lock()
 

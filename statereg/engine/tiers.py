@@ -470,6 +470,12 @@ class TierEngine:
             self.reader.holders = {
                 path: (size, [self._peer_nodes.index(n) for n in nodes if n != self.node])
                 for path, (size, nodes) in holders.items()}
+            # Where some node lacks a file, ranks that need the same bytes have one of them
+            # read (over HTTP if need be) and broadcast, as from remote storage; where every
+            # node holds every file, each rank reads its own node's memory. The same on
+            # every rank: holders are.
+            every = set(range(self.nodes.count))
+            self.reader.broadcast_reads = any(set(n) != every for _, n in holders.values())
         name = checkpoint_name(choice)
         # Rank 0 reads the manifest and every rank receives it (issue 17: read once per job).
         return self.reader, Committed(name, self.world.from_leader(read_manifest_at,

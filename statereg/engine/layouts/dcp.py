@@ -467,7 +467,7 @@ class GroupReader(BackendReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        if not self.shared:
+        if not self.shared or not self.source.broadcast_reads:
             return super().read_data(plan, planner)
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
