@@ -61,7 +61,7 @@ class SharedMemoryBackend(LocalBackend):
 
     schemes = ("shm",)
     # Every rank of a node reads the tmpfs at memory speed: a broadcast over gloo's TCP
-    # would be the slow path (bench_replica.py: a restore took 1.8x longer with it).
+    # would be the slow path (bench_replica.py: a restore took 1.5x longer with it).
     broadcast_reads = False
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
