@@ -78,7 +78,11 @@ class Saver:
         self._plans = SavePlans()
 
     def save(self, plan: RankPlan, adapters: dict[str, Any], step: int,
-             tokens_seen: int | None, extra: dict[str, Any] | None) -> SaveHandle:
+             tokens_seen: int | None, extra: dict[str, Any] | None,
+             after_commit: Callable[[str], None] | None = None) -> SaveHandle:
+        """Save `step`; `after_commit(name)` runs once it is committed, on every rank, where
+        the commit ran (in the background for an async save: memory tiers share, retain and
+        drain there, engine/tiers.py)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise SpecError(f"save(step={step!r}): step must be a non-negative int")
         if tokens_seen is not None and (not isinstance(tokens_seen, int)
@@ -99,15 +103,22 @@ class Saver:
         args = (self.backend, self.spec)
         rest = (step, tokens_seen, extra, world, self._plans)
         url = self.backend.display(checkpoint_name(step))
+
+        def commit(items: list[Captured]) -> str:
+            name = save_checkpoint(*args, items, *rest)
+            if after_commit is not None:
+                after_commit(name)
+            return name
+
         if self.spec.save.async_mode == "off":
-            save_checkpoint(*args, captured, *rest)
+            commit(captured)
             return SaveHandle(url)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="statereg-save")
         if not self.spec.save.early_return:
             staged = self._stage(captured, step)
-            self._inflight = self._executor.submit(
-                self._reported, step, lambda: save_checkpoint(*args, staged, *rest))
+            self._inflight = self._executor.submit(self._reported, step,
+                                                   lambda: commit(staged))
             return SaveHandle(url)
         done: Future[None] = Future()
         stream = loop_stream()
@@ -119,7 +130,7 @@ class Saver:
                 done.set_exception(exc)
                 raise
             done.set_result(None)
-            return save_checkpoint(*args, staged, *rest)
+            return commit(staged)
 
         self._staged = done
         self._inflight = self._executor.submit(self._reported, step, stage_then_save)

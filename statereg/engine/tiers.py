@@ -209,11 +209,15 @@ class TierEngine:
 
     def save(self, plan: RankPlan, adapters: dict[str, Any], step: int,
              tokens_seen: int | None, extra: dict[str, Any] | None) -> SaveHandle | None:
-        """Save `step` to memory if due, then start its drain if due; None if no tier is due."""
+        """Save `step` to memory if due, then start its drain if due; None if no tier is due.
+
+        With `save.async`, the loop waits only for the copy into staging buffers: the write
+        to memory, and after its commit the sharing, retention and drain, run on the save's
+        background thread (every rank in the same order, so its collectives pair up)."""
         to_memory, to_durable = self.due(step) if isinstance(step, int) else (True, False)
         if not to_memory:
             return None
-        name = checkpoint_name(step)
+        self._saver.wait()  # the previous memory save and what followed its commit
         if to_durable and self.world.rank == 0 and self._in_flight():
             if self.tiers.memory.drain == "skip":
                 logger.warning("the drain of %s is still running: step %d is not drained "
@@ -224,13 +228,15 @@ class TierEngine:
         if self.leads:
             self._join_retention()
             self._drop_stale(step)
-        handle = self._saver.save(plan, adapters, step, tokens_seen, extra)
-        held = self._share(name) if self.nodes.count > 1 else self._held()
-        if self.leads:
-            self._retain_memory(name, held)
-        if self.world.rank == 0 and to_durable:
-            self._start_drain(name)
-        return handle
+
+        def committed(name: str) -> None:
+            held = self._share(name) if self.nodes.count > 1 else self._held()
+            if self.leads:
+                self._retain_memory(name, held)
+            if self.world.rank == 0 and to_durable:
+                self._start_drain(name)
+
+        return self._saver.save(plan, adapters, step, tokens_seen, extra, committed)
 
     def _drop_stale(self, step: int) -> None:
         """Delete this node's memory checkpoints of `step` and later: the job is at `step`,
@@ -380,6 +386,7 @@ class TierEngine:
         """Block until the drain in flight is committed (and memory retention is done);
         raise if a drain failed since the last wait (the memory checkpoints are intact: only
         the durable copy is missing)."""
+        self._saver.wait()
         self._join_drain()
         self._join_retention()
         error, self._drain_error = self._drain_error, None
@@ -536,6 +543,11 @@ class TierEngine:
         """On a declared signal (engine/signals.py, rank 0): wait for the drain in flight,
         then drain the newest complete memory checkpoint now unless storage.url holds it.
         Returns its name (None when memory holds none) and whether this call copied it."""
+        try:  # an async memory save in flight commits first (and starts its drain)
+            self._saver.wait()
+        except Exception as exc:
+            logger.warning("the memory save in flight failed (%s); flushing the newest "
+                           "complete memory checkpoint", exc)
         if self._drainer is not None:
             # Waits for the drain in flight, even when the signal came inside wait() or
             # close(), which took its future already.

@@ -543,10 +543,6 @@ class RegistrySpec(_Declared):
             raise ValueError("with 'tiers', retention is declared per tier: move save.keep_last "
                              "/ keep_every to tiers.durable (keep_best is not built for tiers "
                              "yet)")
-        if save.async_mode != "off":
-            raise ValueError("with 'tiers', memory saves are synchronous (a tmpfs write is one "
-                             "memory copy, and the drain to storage.url already runs in the "
-                             "background): set save.async to off")
         if save.incremental:
             raise ValueError("'tiers' with save.incremental is not built yet: set incremental "
                              "to false")

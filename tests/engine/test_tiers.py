@@ -136,7 +136,6 @@ def test_bad_tier_declarations_are_refused_naming_the_field(
 
 @pytest.mark.parametrize(("save", "message"), [
     ({"keep_last": 3}, "move save.keep_last / keep_every to tiers.durable"),
-    ({"async": "thread"}, "memory saves are synchronous"),
     ({"incremental": True}, "'tiers' with save.incremental is not built yet"),
 ])
 def test_save_settings_that_tiers_replace_are_refused(save: dict[str, Any],
@@ -367,6 +366,29 @@ def test_a_damaged_newest_memory_copy_falls_back_to_the_older_one_and_is_replace
     fresh = Trainee()
     assert fresh.manager(spec).load().step == 10
     assert_same_bits(fresh.tensors(), trained(10).tensors())
+
+
+@pytest.mark.parametrize("early_return", [False, True])
+def test_async_memory_saves_commit_share_retain_and_drain_in_the_background(
+        tmp_path: Path, early_return: bool) -> None:
+    spec = tiered(str(tmp_path / "durable"),
+                  save={"async": "thread", "early_return": early_return})
+    trainee = Trainee()
+    mgr = trainee.manager(spec)
+    for step in range(1, 13):
+        trainee.step(step)
+        handle = mgr.save(step)
+        if handle is not None and early_return:
+            handle.wait_staged()  # before the next step changes the state
+    mgr.wait()
+    memory = open_backend(mgr._tiers.memory.url)
+    assert [c.step for c in list_committed(memory)] == [10, 12]  # keep_last 2
+    assert steps_in(str(tmp_path / "durable")) == [4, 8, 12]
+    mgr.close()
+    fresh = Trainee()
+    result = fresh.manager(spec).load()
+    assert result.step == 12 and result.path.startswith("shm://run7/")
+    assert_same_bits(fresh.tensors(), trained(12).tensors())
 
 
 def test_a_missing_memory_file_skips_that_step_with_one_line(tmp_path: Path,
