@@ -58,7 +58,11 @@ def write_model_files(backend: StorageBackend, directory: str, fmt: Format,
 
 
 def open_model_files(backend: StorageBackend, directory: str, fmt: Format,
+                     read: Callable[[str], bytes] | None = None,
                      ) -> SafetensorsDirectory | TorchFile:
+    """The model files of `directory`; `read(path)` reads a whole file for every rank (once
+    for the job: engine/layouts/consolidated.py), else each reads it itself."""
     if fmt == "safetensors":
         return SafetensorsDirectory(backend, directory)
-    return TorchFile(backend, f"{directory}/{TORCH_MODEL_NAME}")
+    path = f"{directory}/{TORCH_MODEL_NAME}"
+    return TorchFile(backend, path, None if read is None else read(path))

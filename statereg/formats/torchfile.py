@@ -56,9 +56,10 @@ def decode_torch(data: bytes, where: str) -> Any:
 class TorchFile:
     """A model's full state dict in one torch.save file, read once and kept until loaded."""
 
-    def __init__(self, backend: StorageBackend, path: str) -> None:
+    def __init__(self, backend: StorageBackend, path: str, data: bytes | None = None) -> None:
+        """`data`: the file's bytes when the caller has them (read once for all ranks)."""
         where = backend.display(path)
-        state = decode_torch(backend.read_bytes(path), where)
+        state = decode_torch(backend.read_bytes(path) if data is None else data, where)
         if not isinstance(state, dict) or not all(
                 isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
             raise CorruptCheckpointError(f"{where}: not a state dict of named tensors")

@@ -279,3 +279,41 @@ def test_sharded_load_4_to_2_reads_the_items_each_rank_needs(
         whole = sum(files[p] for p in reads)
         # Only the needed items move (a little framing aside), not the whole files.
         assert needed <= read <= needed * 1.02 + 1024, (rank, needed, read, whole)
+
+
+# -- a consolidated torch file ------------------------------------------------------------
+
+
+def _torch_file_spec(root: str) -> dict:
+    return {"storage": {"url": root},
+            "components": {"model": {"kind": "model", "sharing": "replicated",
+                                     "format": "torch"}}}
+
+
+def load_torch_file(rank: int, world: int, root: str, out: str) -> None:
+    """Load the consolidated model, recording every whole-file read this rank makes."""
+    from statereg.backends.local import LocalBackend
+
+    read: list[str] = []
+    real = LocalBackend.read_bytes
+
+    def counted(self: LocalBackend, path: str, limit: int | None = None) -> bytes:
+        read.append(path)
+        return real(self, path, limit)
+
+    LocalBackend.read_bytes = counted  # type: ignore[method-assign]
+    model = _net(seed=rank + 3)
+    statereg.CheckpointManager(_torch_file_spec(root), model=model).load()
+    _assert_identical({k: v for k, v in model.state_dict().items()},
+                      {k: v for k, v in _trained(steps=1)[0].state_dict().items()})
+    Path(out, f"reads-{rank}.json").write_text(json.dumps(read))
+
+
+def test_a_consolidated_torch_file_is_read_by_one_rank_and_broadcast(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    model, _ = _trained(steps=1)
+    statereg.CheckpointManager(_torch_file_spec(root), model=model).save(step=1)
+    run_ranks(2, load_torch_file, tmp_path, root, str(tmp_path))
+    reads = [json.loads((tmp_path / f"reads-{r}.json").read_text()) for r in range(2)]
+    assert reads[0].count("step_00000001/model/model.pt") == 1, reads[0]
+    assert "step_00000001/model/model.pt" not in reads[1], reads[1]

@@ -38,8 +38,11 @@ class ConsolidatedLayout:
                 ctx: ReadContext) -> Prepared:
         adapter = require_object(task, adapter)
         try:
+            # A torch file is read whole by every rank: one rank reads it, the others receive
+            # it (safetensors are read tensor by tensor, in the ranges each rank needs).
             source = open_model_files(ctx.backend, f"{ctx.name}/{task.directory}",
-                                      record.format)
+                                      record.format,
+                                      lambda path: ctx.read_once(path, task.collective))
             targets = adapter.load_targets(source.metas, record.meta, ctx.strict, None)
         except CheckpointMismatchError:
             # safetensors headers are read on their own, before the files are checked whole:
