@@ -18,7 +18,8 @@ of --reps repetitions (after one untimed warm-up save where a row saves).
   to mgr.wait()) against copy_checkpoint (`statereg cp`) of the same checkpoint to a fresh
   root of the same store, alternating; to local disk and to the S3 server.
 - training loop: real forward, backward and AdamW steps, with a memory checkpoint every
-  --every steps against none; and the steps each failure loses (see `steps_lost`).
+  --every steps (synchronous, and with save.async: thread, the last write waited for)
+  against none; and the steps each failure loses (see `steps_lost`).
 """
 
 from __future__ import annotations
@@ -287,22 +288,29 @@ class Bench:
                 if mgr is not None:
                     mgr.save(step)  # saves to memory when step % every == 0
 
-        spec = tiered(str(self.work / "train-durable"), args.every, NEVER // args.every
-                      * args.every)
-        plain_s, tiered_s = [], []
-        with self.manager(spec, "train") as mgr:
-            for _ in range(args.reps):  # alternate, so drift in the machine hits both alike
+        never = NEVER // args.every * args.every
+        spec = tiered(str(self.work / "train-durable"), args.every, never)
+        spec_async = tiered(str(self.work / "train-durable-async"), args.every, never)
+        spec_async["save"] = {"async": "thread"}
+        plain_s, tiered_s, async_s = [], [], []
+        with self.manager(spec, "train") as mgr, \
+                self.manager(spec_async, "train-async") as mgr_async:
+            for _ in range(args.reps):  # alternate, so drift in the machine hits all alike
                 start = time.perf_counter()
                 train(None, 0)
                 plain_s.append(time.perf_counter() - start)
-                first = (self.step // args.every + 1) * args.every + 1
-                start = time.perf_counter()
-                train(mgr, first)
-                tiered_s.append(time.perf_counter() - start)
-                self.step = first + args.steps
+                for manager, seconds in ((mgr, tiered_s), (mgr_async, async_s)):
+                    first = (self.step // args.every + 1) * args.every + 1
+                    start = time.perf_counter()
+                    train(manager, first)
+                    manager.wait()  # the last save's write is part of the loop's cost
+                    seconds.append(time.perf_counter() - start)
+                    self.step = first + args.steps
         self.forget_memory("train")
+        self.forget_memory("train-async")
         self.rows["train_no_checkpoint"] = row(plain_s, steps=args.steps)
         self.rows["train_memory_every"] = row(tiered_s, steps=args.steps, every=args.every)
+        self.rows["train_memory_every_async"] = row(async_s, steps=args.steps, every=args.every)
 
     def run(self) -> None:
         sections: list[tuple[str, Callable[[], None]]] = [
@@ -345,6 +353,8 @@ def summary(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[s
         "durable_reads_in_memory_restore": rows["restore_memory"]["durable_reads"],
         "drain_over_cp_throughput_local": m["cp_local"] / m["drain_local"],
         "training_slowdown_pct": 100 * (m["train_memory_every"] / m["train_no_checkpoint"] - 1),
+        "training_slowdown_async_pct": 100 * (m["train_memory_every_async"]
+                                              / m["train_no_checkpoint"] - 1),
         "step_s": step_s,
         "steps_lost_memory": steps_lost(args.every, m["restore_memory"], step_s),
     }
