@@ -165,7 +165,7 @@ class PeerBackend(StorageBackend):
 
     schemes: ClassVar[tuple[str, ...]] = ()
     client_package = "aiohttp"
-    install_extra = "s3"
+    install_extra = "tiers"
 
     def display(self, path: str = "") -> str:
         # The URL holds the job's secret: messages name the server, never the token.
@@ -278,5 +278,5 @@ def open_peer(url: str) -> PeerBackend:
         return PeerBackend(url)
     except Exception as exc:
         raise StateregError(f"cannot read a peer node's memory ({exc}); tiers over several "
-                            "nodes read peers over HTTP with aiohttp: pip install aiohttp"
-                            ) from exc
+                            "nodes read peers over HTTP with aiohttp: pip install "
+                            "'statereg[tiers]'") from exc
