@@ -166,7 +166,34 @@ class _BlockStream:
             return self._raw.seek(offset, whence)
 
 
-class _RangeReads(io.RawIOBase):
+class PositionedReads(io.RawIOBase):
+    """A read-only, seekable stream that keeps its own position (`_pos`); subclasses say how
+    big the file is (`_file_size`, for a seek from the end) and how to `readinto`."""
+
+    _pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _file_size(self) -> int:
+        raise NotImplementedError
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_END:
+            offset += self._file_size()
+        elif whence == io.SEEK_CUR:
+            offset += self._pos
+        self._pos = max(0, offset)
+        return self._pos
+
+
+class _RangeReads(PositionedReads):
     """A seekable, read-only view of a stored file of which only some byte ranges are fetched.
 
     `ranges` are the (start, end) runs a reader will use; each is fetched with one ranged
@@ -184,24 +211,10 @@ class _RangeReads(io.RawIOBase):
         self._pos = 0
         self._buffer_start, self._buffer = 0, b""
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_END:
-            if self._size is None:
-                self._size = self._backend.size(self._path)
-            offset += self._size
-        elif whence == io.SEEK_CUR:
-            offset += self._pos
-        self._pos = max(0, offset)
-        return self._pos
+    def _file_size(self) -> int:
+        if self._size is None:
+            self._size = self._backend.size(self._path)
+        return self._size
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

@@ -16,7 +16,6 @@ import contextlib
 import errno
 import fcntl
 import functools
-import io
 import mmap
 import os
 import shutil
@@ -27,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import IO, Any
 
-from statereg.backends.base import EXCLUSIVE_WRITE, StorageBackend, StoredFile
+from statereg.backends.base import EXCLUSIVE_WRITE, PositionedReads, StorageBackend, StoredFile
 from statereg.backends.checksum import HashingWriter, WrittenFile
 from statereg.errors import CorruptCheckpointError, StorageError
 
@@ -171,7 +170,7 @@ def _mostly_whole_chunks(ranges: Sequence[tuple[int, int]], size: int | None) ->
     return 2 * sum(end - start for start, end in ranges) >= total
 
 
-class _DirectReads(io.RawIOBase):
+class _DirectReads(PositionedReads):
     """Runs of a local file, read with O_DIRECT in page-aligned chunks, several ahead.
 
     Every chunk the runs touch is read, in order, into a page-aligned buffer by a small pool
@@ -199,25 +198,11 @@ class _DirectReads(io.RawIOBase):
         self._pos = 0
         self._chunk: tuple[int, mmap.mmap, int] | None = None  # index, buffer, bytes in it
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
     def fileno(self) -> int:
         return self._fd
 
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_END:
-            offset += os.fstat(self._fd).st_size
-        elif whence == io.SEEK_CUR:
-            offset += self._pos
-        self._pos = max(0, offset)
-        return self._pos
+    def _file_size(self) -> int:
+        return os.fstat(self._fd).st_size
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
