@@ -99,6 +99,13 @@ def run(spec: dict[str, Any], steps: int) -> statereg.CheckpointManager:
     return mgr
 
 
+def flip_middle_byte(path: Path, mask: int) -> None:
+    """Damage a file in the middle of its bytes, its size unchanged."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= mask
+    path.write_bytes(bytes(data))
+
+
 def steps_in(url: str) -> list[int]:
     return [c.step for c in list_committed(open_backend(url))]
 
@@ -328,10 +335,7 @@ def test_a_damaged_memory_copy_fails_closed_to_the_durable_tier(tmp_path: Path,
     mgr = run(spec, 9)
     memory_root = mgr._tiers.memory.root
     mgr.close()
-    victim = next(Path(memory_root, "step_00000008", "model").glob("*.distcp"))
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    victim.write_bytes(bytes(data))
+    flip_middle_byte(next(Path(memory_root, "step_00000008", "model").glob("*.distcp")), 0x10)
     fresh = Trainee()
     with caplog.at_level(logging.WARNING, logger="statereg"):
         result = fresh.manager(spec).load()
@@ -346,10 +350,7 @@ def test_a_damaged_newest_memory_copy_falls_back_to_the_older_one_and_is_replace
     mgr = run(spec, 11)  # memory holds steps 8 and 10
     memory_root = mgr._tiers.memory.root
     mgr.close()
-    victim = next(Path(memory_root, "step_00000010", "optimizer").glob("*.distcp"))
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    victim.write_bytes(bytes(data))
+    flip_middle_byte(next(Path(memory_root, "step_00000010", "optimizer").glob("*.distcp")), 0x01)
     resumed = Trainee()
     mgr = resumed.manager(spec)
     with caplog.at_level(logging.WARNING, logger="statereg"):
