@@ -127,7 +127,11 @@ def reference(rank: int, steps: int = STEPS) -> Trainee:
 
 def replica_save(rank: int, world: int, shm: Path, durable: str, out: Path) -> None:
     _on_node(rank, shm)
-    _train_and_save(rank, _spec(durable, replicate=True, drain_every=100))  # never drained
+    spec = _spec(durable, replicate=True, drain_every=100)  # never drained
+    # Async: the manifest sharing and the replica start on every rank's save thread (the
+    # other drills save synchronously).
+    spec["save"] = {"async": "thread"}
+    _train_and_save(rank, spec)
 
 
 def replica_restore(rank: int, world: int, shm: Path, durable: str, out: Path) -> None:
