@@ -124,11 +124,6 @@ def rank_bytes(spec: RegistrySpec, world: World, adapters: dict[str, Any]) -> li
     return world.all_gather(sum(t.nbytes or 0 for t in plan.tasks if t.takes_part))
 
 
-def state_bytes(spec: RegistrySpec, world: World, adapters: dict[str, Any]) -> int:
-    """Bytes one checkpoint of the live state takes, summed over every rank (collective)."""
-    return sum(rank_bytes(spec, world, adapters)) + SMALL_FILES_BYTES
-
-
 def node_bytes(nodes: Nodes, per_rank: list[int], node: int, replicate: bool) -> int:
     """Bytes one memory checkpoint takes in `node`'s memory: its own ranks' files (and its
     previous node's, which it holds as a replica) plus room for small files."""
@@ -431,12 +426,6 @@ class TierEngine:
                     else {f"{entry}/{r.path}": r.size for r in known.manifest.files})
             found[step] = (need, present)
         return found
-
-    def memory_steps(self) -> dict[int, str]:
-        """Steps complete in this node's folder alone: manifest matching manifest.sum, every
-        file present at its recorded size (bytes are checked as they load). Step -> name."""
-        return {step: checkpoint_name(step) for step, (need, present) in self.inventory().items()
-                if need is not None and all(present.get(p) == n for p, n in need.items())}
 
     def _other_identities(self) -> list[str]:
         """Identity folders of other jobs under shm://<run_id> on this node."""
