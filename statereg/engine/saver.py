@@ -28,7 +28,7 @@ from statereg.engine.save import (
     save_checkpoint,
     summarize,
 )
-from statereg.engine.staging import StagingArea, loop_stream
+from statereg.engine.staging import LoopMark, StagingArea, mark_loop
 from statereg.engine.world import World, attempt
 from statereg.errors import SpecError
 from statereg.schemas.spec import RegistrySpec
@@ -121,11 +121,11 @@ class Saver:
                                                    lambda: commit(staged))
             return SaveHandle(url)
         done: Future[None] = Future()
-        stream = loop_stream()
+        mark = mark_loop(captured)  # the copies wait for the loop's work queued until now
 
         def stage_then_save() -> str:
             try:
-                staged = self._stage(captured, step, stream)
+                staged = self._stage(captured, step, mark)
             except BaseException as exc:
                 done.set_exception(exc)
                 raise
@@ -150,10 +150,10 @@ class Saver:
             logger.error("the background save of step %d failed at %s: %s", step, when, exc)
             raise
 
-    def _stage(self, captured: list[Captured], step: int, stream: Any = None,
+    def _stage(self, captured: list[Captured], step: int, mark: LoopMark | None = None,
                ) -> list[Captured]:
         """Copy the tensors into the staging buffers; a failure on any rank fails every rank."""
-        staged, error = attempt(self._staging.stage, captured, stream)
+        staged, error = attempt(self._staging.stage, captured, mark)
         self.world.agree(error, f"save of step {step}: copying state to host buffers")
         return staged
 
