@@ -72,6 +72,7 @@ from statereg.backends.checksum import (
     VerifiedReads,
     verify_stream,
 )
+from statereg.backends.device_reads import DeviceLanding
 from statereg.backends.torch_private import StorageInfo, storage_info
 from statereg.errors import CorruptCheckpointError
 
@@ -597,26 +598,32 @@ class BackendReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         # DCP reads one file after another on the caller's thread; files are independent, so
         # read (and decompress) them on `thread_count` threads.
+        # Tensors that live on a GPU are filled through page-locked slices (device_reads).
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path,
                                 []).append(item)
-        if self.thread_count <= 1 or len(per_file) <= 1:
-            for relative_path, items in per_file.items():
-                self._read_file(relative_path, items, planner)
-        else:
-            with ThreadPoolExecutor(min(self.thread_count, len(per_file)),
-                                    thread_name_prefix="statereg-read") as pool:
-                pending = [pool.submit(self._read_file, relative_path, items, planner)
-                           for relative_path, items in per_file.items()]
-                for job in pending:
-                    job.result()
+        landing = DeviceLanding()
+        try:
+            if self.thread_count <= 1 or len(per_file) <= 1:
+                for relative_path, items in per_file.items():
+                    self._read_file(relative_path, items, planner, landing)
+            else:
+                with ThreadPoolExecutor(min(self.thread_count, len(per_file)),
+                                        thread_name_prefix="statereg-read") as pool:
+                    pending = [pool.submit(self._read_file, relative_path, items, planner,
+                                           landing)
+                               for relative_path, items in per_file.items()]
+                    for job in pending:
+                        job.result()
+        finally:
+            landing.finish()
         done: Future = Future()
         done.set_result(None)
         return done
 
     def _read_file(self, relative_path: str, items: list[ReadItem], planner: LoadPlanner,
-                   ) -> None:
+                   landing: DeviceLanding | None = None) -> None:
         """DCP's per-file read, except only the items' bytes are fetched (one ranged read per
         run of adjacent items on an object store), tensors are read straight into their
         destination, and every item is checked against its digest as it is read."""
@@ -632,7 +639,7 @@ class BackendReader(FileSystemReader):
         with self._backend.open_ranges(path, ranges, self.fs.sizes.get(path)) as stream:
             for req in ordered:
                 try:
-                    self._read_item(stream, req, planner)
+                    self._read_item(stream, req, planner, landing)
                 except torchsave.RECORD_ERRORS as exc:
                     raise CorruptCheckpointError(
                         f"{self.describe_item(req.storage_index)} cannot be read "
@@ -640,7 +647,8 @@ class BackendReader(FileSystemReader):
                         "checkpoint"
                     ) from None
 
-    def _read_item(self, stream: Any, req: ReadItem, planner: LoadPlanner) -> None:
+    def _read_item(self, stream: Any, req: ReadItem, planner: LoadPlanner,
+                   landing: DeviceLanding | None = None) -> None:
         """One item: verified, decoded within its recorded bounds, into its destination."""
         info: StorageInfo = self.storage_data[req.storage_index]
         where = self.describe_item(req.storage_index)
@@ -648,7 +656,7 @@ class BackendReader(FileSystemReader):
         if req.type != LoadItemType.BYTE_IO and not info.transform_descriptors:
             target = planner.resolve_tensor(req).detach()
             hasher = xxhash.xxh3_64() if expected is not None else None
-            if torchsave.read_into(stream, info.offset, info.length, target, hasher):
+            if torchsave.read_into(stream, info.offset, info.length, target, hasher, landing):
                 if hasher is not None:
                     _check_item(where, expected, hasher.intdigest())
                 planner.commit_tensor(req, target)
@@ -672,7 +680,7 @@ class BackendReader(FileSystemReader):
             return
         target = planner.resolve_tensor(req).detach()
         source = io.BytesIO(blob)
-        if not torchsave.read_into(source, 0, len(blob), target):
+        if not torchsave.read_into(source, 0, len(blob), target, landing=landing):
             tensor = torchsave.load(source, 0, len(blob), where)
             if not isinstance(tensor, torch.Tensor):
                 raise CorruptCheckpointError(f"{where}: holds no tensor; the file is damaged")

@@ -34,6 +34,7 @@ from typing import IO, Any
 
 import torch
 
+from statereg.backends.device_reads import DeviceLanding
 from statereg.errors import CorruptCheckpointError
 
 _STORAGE_DTYPES = {
@@ -268,16 +269,19 @@ def _hash_range(stream: IO[bytes], start: int, end: int, hasher: Any) -> None:
 
 
 def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
-              hasher: Any = None) -> bool:
+              hasher: Any = None, landing: DeviceLanding | None = None) -> bool:
     """Fill `target` from the torch.save record at [offset, offset+length) of `stream`.
 
     Returns False when the record or the target is not the plain case (the caller then uses
     `load`); `target` may then hold some of the record's bytes, which the caller overwrites.
+    A CUDA `target` is filled through `landing`'s page-locked slices (none: not the plain
+    case); its copies may still be in flight on return, until `landing.finish()`.
     With `hasher`, every byte of the record passes through it in order when True is
     returned. Raises EOFError if the stream ends before the record does.
     """
-    if (target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0
-            or target.is_quantized or target.is_sparse):
+    on_device = target.device.type != "cpu"
+    if ((on_device and (landing is None or not target.is_cuda)) or not target.is_contiguous()
+            or target.numel() == 0 or target.is_quantized or target.is_sparse):
         return False
     found = _payload(stream, offset, length, target.dtype, tuple(target.shape))
     if found is None:
@@ -285,25 +289,24 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
     start, check_descriptor = found
     if hasher is not None:
         _hash_range(stream, offset, start, hasher)
-    data = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
     stream.seek(start)
-    # With a hasher, read in slices and hash each while it is still in the CPU's cache:
-    # hashing the whole tensor afterwards would read it from memory again.
-    step = _HASH_SLICE if hasher is not None else len(data)
-    for at in range(0, len(data), step):
-        view = data[at:at + step]
-        while view:
-            got = stream.readinto(view)
-            if not got:
-                raise EOFError(f"stream ended {len(view)} bytes before the tensor's end")
-            view = view[got:]
-        if hasher is not None:
-            hasher.update(data[at:at + step])
-    rest = offset + length - start - len(data)
+    nbytes = target.nbytes
+    if landing is not None and on_device:
+        landing.fill(target.detach(), lambda view: _read_exactly(stream, view), hasher)
+    else:
+        data = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+        # With a hasher, read in slices and hash each while it is still in the CPU's cache:
+        # hashing the whole tensor afterwards would read it from memory again.
+        step = _HASH_SLICE if hasher is not None else len(data)
+        for at in range(0, len(data), step):
+            _read_exactly(stream, data[at:at + step])
+            if hasher is not None:
+                hasher.update(data[at:at + step])
+    rest = offset + length - start - nbytes
     if check_descriptor:
         trailer = stream.read(min(_DESCRIPTOR64.size, rest))
         try:
-            _skip_descriptor(trailer + bytes(_DESCRIPTOR64.size), 0, len(data))
+            _skip_descriptor(trailer + bytes(_DESCRIPTOR64.size), 0, nbytes)
         except (_NotPlain, struct.error):
             return False  # not what the header walk assumed: the caller reloads it whole
         if hasher is not None:
@@ -312,6 +315,15 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
         end = offset + length
         _hash_range(stream, end - rest + (len(trailer) if check_descriptor else 0), end, hasher)
     return True
+
+
+def _read_exactly(stream: IO[bytes], view: memoryview) -> None:
+    """Fill `view` from `stream`; EOFError if the stream ends first."""
+    while view:
+        got = stream.readinto(view)
+        if not got:
+            raise EOFError(f"stream ended {len(view)} bytes before the tensor's end")
+        view = view[got:]
 
 
 class _Placeholder:
