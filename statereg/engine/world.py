@@ -117,12 +117,22 @@ class World:
         groups = dict(groups or {})
         group = dist.new_group(backend="gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
-        mine = {name: tuple(sorted(dist.get_process_group_ranks(g)))
+        mine = {name: (tuple(sorted(dist.get_process_group_ranks(g))), dist.get_backend(g))
                 for name, g in sorted(groups.items())}
         everyone: list[Any] = [None] * size
         dist.all_gather_object(everyone, mine, group=group)
         layout = WorldLayout(rank, size, {
-            name: tuple(sorted({ranks[name] for ranks in everyone})) for name in mine})
+            name: tuple(sorted({ranks[name][0] for ranks in everyone})) for name in mine})
+        # statereg sends CPU tensors and Python objects over a named group too: a group of
+        # another backend (NCCL) gets a gloo twin of the same members, made by every rank in
+        # the same order (new_group is collective).
+        for name in mine:
+            if all(ranks[name][1] == "gloo" for ranks in everyone):
+                continue
+            for members in layout.groups[name]:
+                twin = dist.new_group(list(members), backend="gloo")
+                if rank in members:
+                    groups[name] = twin
         return cls(rank, size, group, groups, layout)
 
     @property
