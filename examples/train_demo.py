@@ -1,6 +1,7 @@
 """Train a tiny language model, kill it with SIGKILL, resume it, and check the resume is exact.
 
     python examples/train_demo.py                  # the whole demo, about 30 s on 2 CPU cores
+    python examples/train_demo.py --device cuda    # the same on a GPU
     python examples/train_demo.py train --ckpt-dir DIR --losses FILE   # one training run
 
 The demo runs the same training script three times, each in its own process:
@@ -110,18 +111,22 @@ def seed_everything(seed: int) -> None:
 # -- one training run (runs in a subprocess of the demo) --------------------------------------
 
 
-def train(ckpt_dir: str, losses_path: str) -> None:
+def train(ckpt_dir: str, losses_path: str, device: str = "cpu") -> None:
     """Train to TOTAL_STEPS, resuming from the latest complete checkpoint in `ckpt_dir` if any.
 
     Prints one line per step (`step N loss HEX`) for the demo driver to follow.
     """
     torch.set_num_threads(1)  # same thread count as the saved run: same reduction order
+    if device.startswith("cuda"):
+        # cuBLAS is deterministic only with a fixed workspace; it must be set before CUDA
+        # starts (docs/exact-resume.md#on-a-gpu).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     # torchdata 0.11 calls a torch API that newer torch deprecates; nothing to act on here.
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
     seed_everything(0)
 
-    model = TinyLM()
+    model = TinyLM().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
     loader = StatefulDataLoader(synthetic_corpus(), batch_size=BATCH_SIZE, shuffle=True,
@@ -145,6 +150,7 @@ def train(ckpt_dir: str, losses_path: str) -> None:
         while step < TOTAL_STEPS:
             for (batch,) in loader:  # a new epoch each time round, except right after a resume
                 step += 1
+                batch = batch.to(device)
                 inputs, targets = batch[:, :-1], batch[:, 1:]
                 logits = model(inputs)
                 loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
@@ -171,9 +177,9 @@ def train(ckpt_dir: str, losses_path: str) -> None:
 # -- the demo driver ------------------------------------------------------------------------
 
 
-def train_command(ckpt_dir: Path, losses: Path) -> list[str]:
+def train_command(ckpt_dir: Path, losses: Path, device: str) -> list[str]:
     return [sys.executable, "-u", __file__, "train", "--ckpt-dir", str(ckpt_dir),
-            "--losses", str(losses)]
+            "--losses", str(losses), "--device", device]
 
 
 def follow(name: str, proc: subprocess.Popen[str], kill_after: int | None = None) -> int:
@@ -200,10 +206,12 @@ def follow(name: str, proc: subprocess.Popen[str], kill_after: int | None = None
     return last_step
 
 
-def run(name: str, ckpt_dir: Path, losses: Path, kill_after: int | None = None) -> None:
+def run(name: str, ckpt_dir: Path, losses: Path, device: str,
+        kill_after: int | None = None) -> None:
     """Start one training run in a subprocess and follow it to its end (or its kill)."""
     started = time.perf_counter()
-    proc = subprocess.Popen(train_command(ckpt_dir, losses), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(train_command(ckpt_dir, losses, device), stdout=subprocess.PIPE,
+                            text=True)
     last_step = follow(name, proc, kill_after)
     seconds = time.perf_counter() - started
     if kill_after is not None:
@@ -241,19 +249,20 @@ def compare(reference: dict, resumed: dict) -> int:
     return 0
 
 
-def demo(workdir: Path) -> int:
-    print(f"statereg demo: {TOTAL_STEPS} steps of a tiny transformer LM on CPU, "
+def demo(workdir: Path, device: str = "cpu") -> int:
+    print(f"statereg demo: {TOTAL_STEPS} steps of a tiny transformer LM on {device}, "
           f"checkpoint every {SAVE_EVERY} steps\nwork directory: {workdir}\n")
 
     print(f"[1/3] reference run: {TOTAL_STEPS} steps, uninterrupted")
-    run("reference", workdir / "reference", workdir / "reference_losses.json")
+    run("reference", workdir / "reference", workdir / "reference_losses.json", device)
 
     print(f"\n[2/3] interrupted run: fresh checkpoint directory, SIGKILL after step {KILL_AFTER}")
-    run("interrupted", workdir / "run", workdir / "interrupted_losses.json", KILL_AFTER)
+    run("interrupted", workdir / "run", workdir / "interrupted_losses.json", device,
+        KILL_AFTER)
     print(f"  complete checkpoints left behind: {', '.join(complete_checkpoints(workdir / 'run'))}")
 
     print(f"\n[3/3] resumed run: a new process calls mgr.load() and trains to step {TOTAL_STEPS}")
-    run("resumed", workdir / "run", workdir / "resumed_losses.json")
+    run("resumed", workdir / "run", workdir / "resumed_losses.json", device)
 
     print(f"\n$ statereg ls {workdir / 'run'}    # keep_last: 3 retention at work")
     subprocess.run([sys.executable, "-m", "statereg.cli", "ls", str(workdir / "run")], check=True)
@@ -269,20 +278,23 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the demo writes checkpoints and losses (default: a new "
                         "temporary directory)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model trains: cpu (default), cuda, cuda:1, ...")
     sub = parser.add_subparsers(dest="command")
     one = sub.add_parser("train", help="one training run (what the demo starts three times)")
     one.add_argument("--ckpt-dir", required=True, help="checkpoint root: a path or a URL")
     one.add_argument("--losses", required=True, help="JSON file for the loss of every step")
+    one.add_argument("--device", default="cpu", help="where the model trains")
     args = parser.parse_args()
     if args.command == "train":
-        train(args.ckpt_dir, args.losses)
+        train(args.ckpt_dir, args.losses, args.device)
         return 0
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="statereg-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if any(workdir.iterdir()):
         sys.exit(f"--workdir {workdir} is not empty; the demo needs fresh checkpoint "
                  "directories (remove it, or pass another)")
-    return demo(workdir)
+    return demo(workdir, args.device)
 
 
 if __name__ == "__main__":
