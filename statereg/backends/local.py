@@ -157,6 +157,22 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
+def _cached(fd: int, ranges: Sequence[tuple[int, int]]) -> bool:
+    """Whether the runs' first, middle and last pages are in the page cache (a file written
+    or read a moment ago): a buffered read of them is a memory copy, which O_DIRECT would
+    turn back into a disk read. Asks with RWF_NOWAIT, which fails rather than wait for the
+    disk; False where the kernel cannot answer."""
+    if not ranges or not hasattr(os, "RWF_NOWAIT"):
+        return False
+    first, last = ranges[0][0], ranges[-1][1] - 1
+    probe = bytearray(1)
+    try:
+        return all(os.preadv(fd, [probe], at, os.RWF_NOWAIT) == 1
+                   for at in (first, (first + last) // 2, last))
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: no answer
+        return False
+
+
 def _mostly_whole_chunks(ranges: Sequence[tuple[int, int]], size: int | None) -> bool:
     """Whether the runs fill at least half of the aligned chunks they touch. O_DIRECT reads
     whole chunks: for runs scattered thinly over a large file (a few items of each rank's
@@ -465,7 +481,8 @@ class LocalBackend(StorageBackend):
         deciding how much to ask for, and leave no copy of the checkpoint in the cache. Where
         O_DIRECT is refused (tmpfs, some network filesystems) the file is read buffered, as
         `open_read` does; so is a root in memory (tmpfs, ramfs: shm://), where the page cache
-        is the storage and a read straight into the tensor is the one copy there is. A
+        is the storage and a read straight into the tensor is the one copy there is, and so
+        is a file whose runs are in the page cache already (`_cached`). A
         subclass that routes reads elsewhere (its own `open_read`) keeps its route.
         """
         if (type(self).open_read is not LocalBackend.open_read or not ranges
@@ -474,7 +491,7 @@ class LocalBackend(StorageBackend):
                 yield stream
             return
         fd = self._open_contained("open", path)
-        if not _set_direct(fd, True):
+        if _cached(fd, sorted(ranges)) or not _set_direct(fd, True):
             with self._storage_op("open", path):
                 stream: Any = open(fd, "rb")  # noqa: SIM115 - closed below
             with stream:

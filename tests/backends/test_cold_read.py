@@ -28,10 +28,22 @@ def _direct(stream) -> bool:
     return bool(fcntl.fcntl(stream.fileno(), fcntl.F_GETFL) & os.O_DIRECT)
 
 
+def _evict(*paths) -> None:
+    """Drop the files from the page cache (written back first), as after a reboot."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 @pytest.fixture
 def data_file(tmp_path):
     data = os.urandom(_SIZE)
     (tmp_path / "data.bin").write_bytes(data)
+    _evict(tmp_path / "data.bin")
     return tmp_path, data
 
 
@@ -50,6 +62,15 @@ def test_disk_reads_use_o_direct_and_return_every_byte_as_stored(data_file):
         stream.seek(5)  # back, outside every run: still the stored bytes
         assert stream.read(50) == data[5:55]
         assert stream.seek(0, os.SEEK_END) == _SIZE
+
+
+def test_a_file_in_the_page_cache_is_read_buffered(data_file):
+    # Just read (or just written): O_DIRECT would read from the disk what memory holds.
+    root, data = data_file
+    assert (root / "data.bin").read_bytes() == data
+    with open_backend(str(root)).open_ranges("data.bin", [(0, _SIZE)], _SIZE) as stream:
+        assert not _direct(stream)
+        assert stream.read() == data
 
 
 def test_a_filesystem_refusing_o_direct_is_read_buffered():
@@ -86,6 +107,7 @@ def test_a_dcp_load_through_direct_reads_is_bit_identical_and_verified(tmp_path)
     dcp.save(state, storage_writer=BackendWriter(open_backend(str(tmp_path)), "ckpt", recorder,
                                                  thread_count=2), no_dist=True)
     records = {written.path: written for written in recorder.files()}
+    _evict(*(tmp_path / path for path in records))
     targets = {k: torch.zeros_like(v) for k, v in state.items() if k != "meta"}
     targets["meta"] = {"step": 0}
 
