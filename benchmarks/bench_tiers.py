@@ -3,7 +3,8 @@
 Run by hand (not a test):  .venv/bin/python benchmarks/bench_tiers.py --gb 1 --reps 3
 The memory tier lives in a fresh folder under /dev/shm ($STATEREG_SHM_DIR points at it); the
 S3 figures use tests/storage_servers.py's moto server on 127.0.0.1. Each row is the median
-of --reps repetitions (after one untimed warm-up save where a row saves).
+of --reps repetitions (after untimed warm-up saves where a row saves: one, or for the
+memory tier keep_last + 1, so retention has retired a checkpoint whose pages saves reuse).
 
 - save into memory: with `save.async: thread`, the time save() takes at a memory step (the
   training stall) and until mgr.wait() returns (committed in memory); a synchronous memory
@@ -53,6 +54,7 @@ from storage_servers import new_bucket, s3_options, start_server
 
 COMPONENTS = {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}}
 NEVER = 10**9  # a durable cadence that never comes (a multiple of every memory cadence)
+KEEP_LAST = 2  # tiers.memory.keep_last of every tiered run here
 
 
 def median(seconds: list[float]) -> float:
@@ -121,7 +123,7 @@ class CountedReads:
 def tiered(url: str, every: int, durable_every: int, options: dict[str, Any] | None = None,
            ) -> dict[str, Any]:
     return {"storage": {"url": url, "options": options or {}}, "components": COMPONENTS,
-            "tiers": {"memory": {"every": every, "keep_last": 2},
+            "tiers": {"memory": {"every": every, "keep_last": KEEP_LAST},
                       "durable": {"every": durable_every}}}
 
 
@@ -173,6 +175,14 @@ class Bench:
 
     # -- save into memory ------------------------------------------------------------------
 
+    def warm_up(self, mgr: statereg.CheckpointManager) -> None:
+        """Untimed saves until the memory tier is in its steady state: the first save pays
+        first-save costs (DCP plans), and until keep_last + 1 saves retention has retired
+        no checkpoint whose tmpfs pages a save writes over (shm.py, `recycle`)."""
+        for _ in range(KEEP_LAST + 1):
+            mgr.save(self.next_step())
+            mgr.wait()
+
     def save_rows(self) -> None:
         reps = self.args.reps
         buffers = [torch.empty_like(t) for t in self.tensors]
@@ -185,7 +195,7 @@ class Bench:
         self.rows["memory_copy"] = row(timed(copy, reps), self.nbytes)
         buffers.clear()
         with self.manager(tiered(str(self.work / "never-drained"), 1, NEVER), "save") as mgr:
-            mgr.save(self.next_step())  # warm-up: first-save costs are not the steady state
+            self.warm_up(mgr)
             seconds = timed(lambda: mgr.save(self.next_step()), reps)
         self.rows["memory_save"] = row(seconds, self.nbytes)
         # save.async: thread: the loop waits for the staging copy; the write commits behind.
@@ -193,8 +203,7 @@ class Bench:
         spec["save"] = {"async": "thread"}
         stalls, commits = [], []
         with self.manager(spec, "save-async") as mgr:
-            mgr.save(self.next_step())
-            mgr.wait()
+            self.warm_up(mgr)
             for _ in range(reps):
                 started = time.perf_counter()
                 mgr.save(self.next_step())

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
+import stat
 from typing import Any
 
 from statereg.backends.local import LocalBackend
@@ -26,6 +28,12 @@ SHM_DIR_ENV = "STATEREG_SHM_DIR"
 NODE_ENV = "STATEREG_NODE"
 DEFAULT_SHM_DIR = "/dev/shm"
 _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+# The folder under a root where a checkpoint retired by retention waits to have its files'
+# pages written over by the next save (`SharedMemoryBackend.recycle`). Not a step name: no
+# listing of checkpoints sees it.
+RECYCLED = ".recycled"
+# Open an existing file for writing from its start without freeing its pages (no O_TRUNC).
+_OVERWRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def shm_dir() -> str:
@@ -63,6 +71,9 @@ class SharedMemoryBackend(LocalBackend):
     # Every rank of a node reads the tmpfs at memory speed: a broadcast over gloo's TCP
     # would be the slow path (bench_replica.py: a restore took 1.5x longer with it).
     broadcast_reads = False
+    # Whether a retired checkpoint's pages are written over by the next save instead of
+    # being freed and allocated again (the tier engine turns it on; see `remove_tree`).
+    recycle = False
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         name = url[len("shm://"):].strip("/")
@@ -90,3 +101,59 @@ class SharedMemoryBackend(LocalBackend):
                 f"`mount -o remount,size=... {shm_dir()}`), or point ${SHM_DIR_ENV} at a "
                 "larger one"
             )
+
+    # -- reusing the pages of retired checkpoints ----------------------------------------
+
+    def remove_tree(self, path: str) -> None:
+        """Delete `path`; with `recycle`, a checkpoint directory at the top of the root is
+        instead moved whole (one rename: it vanishes at once) to `.recycled/`, replacing what
+        an earlier retirement left there, and the next save writes its files over those.
+
+        Why: a fresh tmpfs file costs a page allocation and zeroing for every 4 KiB, and
+        deleting one costs freeing them: writing 0.5 GB into new files ran at 2.5 GB/s here,
+        over the pages of an existing file at 6.9 GB/s, and the unlink took 0.08 s. A file
+        is taken from `.recycled/` only by a save writing the same path below its step, and
+        the folder never holds more than one retired checkpoint, so the memory a tier holds
+        stays within the keep_last + 1 checkpoints it is checked for at construction.
+        """
+        full = self.full_path(path)
+        if not self.recycle or not path or "/" in path or path == RECYCLED:
+            super().remove_tree(path)
+            return
+        self._refuse_links("delete", path)
+        with self._storage_op("delete", path):
+            try:
+                if not stat.S_ISDIR(os.lstat(full).st_mode):
+                    os.unlink(full)
+                    return
+            except FileNotFoundError:
+                return
+            self.drop_recycled()
+            os.makedirs(self.full_path(RECYCLED))
+            os.rename(full, self.full_path(f"{RECYCLED}/{path}"))
+
+    def drop_recycled(self) -> None:
+        """Free the pages of the retired checkpoint waiting in `.recycled/`, if any."""
+        shutil.rmtree(self.full_path(RECYCLED), ignore_errors=True)
+
+    def _open_for_write(self, path: str, full: str) -> int:
+        """With `recycle`, a file of the retired checkpoint at the same path below its step
+        is renamed to `full` and written over from its start (its old bytes past the new
+        end are cut off when the file is closed); otherwise a new file."""
+        if self.recycle:
+            _, _, below = path.partition("/")
+            retired = self.full_path(RECYCLED)
+            try:
+                names = os.listdir(retired) if below else []
+            except FileNotFoundError:
+                names = []
+            for name in names:
+                spare = f"{retired}/{name}/{below}"
+                try:
+                    if not stat.S_ISREG(os.lstat(spare).st_mode):
+                        continue
+                    os.rename(spare, full)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                return os.open(full, _OVERWRITE)
+        return super()._open_for_write(path, full)

@@ -151,6 +151,9 @@ class TierEngine:
         # This node's folder: saves, retention and inventories see it alone. Loads and
         # drains read through `reader`, which also reads the files other nodes hold.
         self.memory = open_backend(folder)
+        if isinstance(self.memory, SharedMemoryBackend):
+            # Retention's retired checkpoint lends its tmpfs pages to the next save.
+            self.memory.recycle = True
         self.reader: StorageBackend = self.memory
         needed = (self.tiers.memory.keep_last + 1) * node_bytes(
             self.nodes, rank_bytes(spec, world, adapters), self.node, self.replicate)
@@ -402,6 +405,8 @@ class TierEngine:
                 self._drainer = None
             self._join_replica()
             self._join_retention()
+            if self.leads and isinstance(self.memory, SharedMemoryBackend):
+                self.memory.drop_recycled()  # nothing saves here any more: free its pages
             if self.nodes.count > 1:
                 self.world.all_gather(None)  # every rank's drain and replica is done
                 if self._server is not None:

@@ -176,6 +176,55 @@ def test_shm_refuses_a_tmpfs_too_small_with_the_numbers(tmp_path: Path) -> None:
     assert "Lower tiers.memory.keep_last" in text
 
 
+def test_shm_recycling_writes_over_a_retired_file_and_cuts_it_to_its_new_size() -> None:
+    backend = open_backend("shm://run7/recycle")
+    assert isinstance(backend, SharedMemoryBackend)
+    backend.recycle = True
+    backend.write_bytes("step_00000001/model/__0_0.distcp", b"old bytes " * 100)
+    old = os.stat(backend.full_path("step_00000001/model/__0_0.distcp")).st_ino
+    backend.remove_tree("step_00000001")
+    assert backend.list_dir("") == [".recycled"]  # gone from every listing of steps
+    with backend.open_write("step_00000002/model/__0_0.distcp") as stream:
+        stream.write(b"new")
+    assert backend.read_bytes("step_00000002/model/__0_0.distcp") == b"new"
+    assert os.stat(backend.full_path("step_00000002/model/__0_0.distcp")).st_ino == old
+    with backend.open_write("step_00000002/model/other") as stream:  # no retired file
+        stream.write(b"fresh")
+    assert backend.read_bytes("step_00000002/model/other") == b"fresh"
+    backend.remove_tree("step_00000002")  # replaces the checkpoint retired before it
+    assert [f.path for f in backend.walk(".recycled")] == [
+        ".recycled/step_00000002/model/__0_0.distcp", ".recycled/step_00000002/model/other"]
+    backend.drop_recycled()
+    assert backend.list_dir("") == []
+
+
+def test_memory_saves_reuse_retired_checkpoints_files_and_stay_verified(
+        tmp_path: Path) -> None:
+    trainee = Trainee()
+    mgr = trainee.manager(tiered(str(tmp_path / "durable"), memory={"every": 1},
+                                 durable={"every": 1000}))
+    memory = mgr._tiers.memory
+    inodes = {}
+    for step in range(1, 6):
+        trainee.step(step)
+        mgr.save(step)
+        mgr.wait()
+        inodes[step] = {f.path.split("/", 1)[1]: os.stat(memory.full_path(f.path)).st_ino
+                        for f in memory.walk(f"step_{step:08d}")
+                        if f.path.endswith(".distcp")}
+    assert inodes[4] == inodes[1] and inodes[5] == inodes[2]  # step 1's pages hold step 4
+    assert steps_in(memory.url) == [4, 5]
+    for committed in list_committed(memory):
+        verify_files(memory, committed.name, committed.manifest.files, "full")
+    expected = trainee.tensors()
+    mgr.close()
+    assert ".recycled" not in memory.list_dir("")  # close frees the retired pages
+    restored = Trainee()
+    with restored.manager(tiered(str(tmp_path / "durable"), memory={"every": 1})) as again:
+        assert again.load().step == 5
+    assert_same_bits(restored.tensors(), expected)
+
+
 # -- saving -------------------------------------------------------------------------------
 
 
