@@ -387,8 +387,7 @@ class LocalBackend(StorageBackend):
         self._refuse_links("create", path)
         with self._storage_op("create", path):
             _makedirs_durable(os.path.dirname(full))
-            # O_NOFOLLOW: a link left at this name is never written through.
-            sink: Any = open(os.open(full, _WRITE, 0o644), "wb",  # noqa: SIM115 - closed by the writer
+            sink: Any = open(self._open_for_write(path, full), "wb",  # noqa: SIM115 - closed by the writer
                              buffering=_BUFFER)
             if hasattr(os, "posix_fadvise"):
                 sink = _WritebackFile(sink)
@@ -396,11 +395,20 @@ class LocalBackend(StorageBackend):
         def durable(stream: IO[bytes]) -> None:
             with self._storage_op("write", path):
                 stream.flush()
-                os.fsync(stream.fileno())
+                fd = stream.fileno()
+                end = os.lseek(fd, 0, os.SEEK_CUR)
+                if os.fstat(fd).st_size > end:  # written over a longer file (shm.py reuses them)
+                    os.ftruncate(fd, end)
+                os.fsync(fd)
                 stream.close()
                 _fsync_dir(os.path.dirname(full))
 
         return HashingWriter(path, sink, durable, on_done)
+
+    def _open_for_write(self, path: str, full: str) -> int:
+        """A descriptor to write `path` (at `full`) from its start: a new or emptied file.
+        O_NOFOLLOW: a link left at this name is never written through."""
+        return os.open(full, _WRITE, 0o644)
 
     def write_bytes(self, path: str, data: bytes) -> WrittenFile:
         """Write to a temporary name, fsync, then rename: readers see all of it or none."""
