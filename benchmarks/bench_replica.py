@@ -16,7 +16,9 @@ AdamW state (sharing: replicated, as under DDP). Each rank:
 4. restores the S3 checkpoint (`load(step=1)` of the plain manager).
 
 Each figure is the median over --reps of the slowest rank's `load()` time (a restore is done
-when every rank is done). Prints one JSON object.
+when every rank is done). Before the ranks start, `transport GB/s` times the pieces alone, in
+this process: one file of a rank's state size on tmpfs read into a buffer from tmpfs, and
+from a PeerServer through a PeerBackend (median of 5). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch.multiprocessing as mp
 from bench_save_load import build_state
 
 import statereg
+from statereg.backends.peers import NodeMemoryBackend, PeerServer, open_peer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from storage_servers import new_bucket, s3_options, start_server
@@ -117,6 +120,39 @@ def _rank(rank: int, args: argparse.Namespace, init: str, shm: str, durable: str
     dist.destroy_process_group()
 
 
+def _transport(nbytes: int, shm: str) -> dict[str, float]:
+    """GB/s of one `nbytes` file read into a buffer: from tmpfs, and from a peer's server."""
+    os.environ.update(STATEREG_SHM_DIR=shm, STATEREG_NODE="transport",
+                      STATEREG_PEER_HOST="127.0.0.1")
+    folder = NodeMemoryBackend("shm://transport")
+    folder.write_bytes("data.bin", bytes(nbytes))
+    server = PeerServer(folder)
+    peer = open_peer(server.url)
+    buffer = memoryview(bytearray(nbytes))
+
+    def from_tmpfs() -> int:
+        with folder.open_read("data.bin") as stream:
+            return stream.readinto(buffer)
+
+    def from_peer() -> int:
+        with peer.open_ranges("data.bin", [(0, nbytes)], nbytes) as stream:
+            return stream.readinto(buffer)
+
+    rates = {}
+    try:
+        for label, read in (("tmpfs", from_tmpfs), ("peer over HTTP", from_peer)):
+            seconds = []
+            for _ in range(5):
+                started = time.perf_counter()
+                assert read() == nbytes
+                seconds.append(time.perf_counter() - started)
+            rates[label] = nbytes / statistics.median(seconds) / 1e9
+    finally:
+        server.close()
+        shutil.rmtree(Path(shm) / "statereg", ignore_errors=True)
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=0.25, help="model+AdamW state per rank")
@@ -127,6 +163,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="statereg-bench-replica-"))
     import fsspec
 
+    transport = _transport(int(args.gb * 1e9), shm)
+
     server = start_server("moto_server", ["-m", "moto.server", "-H", "127.0.0.1", "-p",
                                           "{port}"], work, "/moto-api/")
     try:
@@ -136,7 +174,8 @@ def main() -> None:
         mp.start_processes(_rank, args=(args, str(work / "pg-init"), shm, str(work / "durable"),
                                         (f"s3://{bucket}", options), str(out)),
                            nprocs=WORLD, join=True, start_method="spawn")
-        print(out.read_text())
+        result = json.loads(out.read_text())
+        print(json.dumps({**result, "transport GB/s": transport}, indent=1))
     finally:
         server.stop()
         shutil.rmtree(shm, ignore_errors=True)

@@ -14,6 +14,7 @@ import pytest
 from statereg.backends.checksum import checksum_of, new_hasher
 from statereg.backends.peers import NodeMemoryBackend, PeerServer, open_peer
 from statereg.engine.verify import verify_files
+from statereg.errors import StorageError
 from statereg.schemas.manifest import FileRecord
 
 DATA = bytes(range(256)) * 64
@@ -105,3 +106,78 @@ def test_the_server_answers_only_the_token_and_never_leaves_its_folder(nodes,
                 {"Range": f"bytes={len(DATA)}-"})[0] == 416
     # Messages never show the token.
     assert token not in open_peer(server.url).display("step_00000001")
+
+
+# -- the HTTP client: ranged reads into the caller's buffer, kept connections, clear errors --
+
+BIG = bytes(range(251)) * 4099  # ~1 MiB, not a multiple of any block size
+
+
+def test_ranged_and_whole_reads_give_the_stored_bytes_over_one_kept_connection(
+        nodes) -> None:
+    a, _, server = nodes
+    a.write_bytes("step_00000001/model/big.bin", BIG)
+    peer = open_peer(server.url)
+    path = "step_00000001/model/big.bin"
+    runs = [(100, 300_000), (300_000, 700_001), (900_000, len(BIG) + 500)]
+    with peer.open_ranges(path, runs, len(BIG)) as stream:
+        got = bytearray(len(BIG))
+        stream.seek(100)
+        assert stream.readinto(memoryview(got)[100:700_001]) == 700_001 - 100  # two runs
+        stream.seek(150)  # back, into the block the first read kept: small reads
+        assert stream.read(10) == BIG[150:160]
+        stream.seek(800_000)  # outside every run: just what is asked
+        assert stream.read(70_000) == BIG[800_000:870_000]
+        stream.seek(900_000)
+        assert stream.readinto(memoryview(got)[900_000:]) == len(BIG) - 900_000
+        assert stream.read(5) == b""  # the end of the file, as from any stream
+        stream.seek(-7, os.SEEK_END)
+        assert stream.read() == BIG[-7:]
+    assert got[100:700_001] == BIG[100:700_001] and got[900_000:] == BIG[900_000:]
+    first = set(server._server._connections)
+    with peer.open_read(path) as stream:
+        assert stream.read() == BIG
+    assert peer.read_bytes(path) == BIG and peer.read_bytes(path, limit=3) == BIG[:3]
+    assert peer.read_range(path, 5, 9) == BIG[5:9] and peer.read_range(path, len(BIG), None) == b""
+    assert peer.size(path) == len(BIG) and peer.exists(path)
+    assert not peer.exists("step_00000001/model/none.bin")
+    # Every request went over the one connection kept alive.
+    assert len(first) == 1 and server._server._connections == first
+
+
+def test_a_peer_that_stops_mid_file_is_a_storage_error_naming_it_and_the_file(
+        nodes) -> None:
+    a, b, server = nodes
+    path = "step_00000001/model/large.bin"
+    Path(a.full_path(path)).write_bytes(bytes(64 << 20))  # more than loopback buffers hold
+    _, token = server.url.rsplit("/", 1)
+    host, port = server.url.split("/")[2].split(":")
+    buffer = bytearray(64 << 20)
+    with b.open_ranges(path, [(0, len(buffer))], len(buffer)) as stream:
+        assert stream.readinto(memoryview(buffer)[:1 << 20]) == 1 << 20
+        server.close()  # the node goes away with the rest of the file unsent
+        with pytest.raises(StorageError, match=rf"reading http://{host}:{port}/\.\.\./{path} "
+                           rf"failed: the peer node at {host}:{port} stopped sending it at "
+                           r"byte \d+ .*bring it back, or restore from storage.url") as err:
+            stream.readinto(memoryview(buffer)[1 << 20:])
+    assert token not in str(err.value)
+    # Down before a read: no answer at all, and no node to fall back to.
+    with pytest.raises(StorageError, match=rf"{path} failed: the peer node at {host}:{port} "
+                       r"did not answer \(ConnectionRefusedError"):
+        open_peer(server.url).read_bytes(path)
+    with pytest.raises(StorageError, match="did not answer"):
+        b.exists("step_00000001/model/data.bin")
+
+
+def test_a_wrong_token_is_refused_with_a_storage_error_and_a_peer_is_read_only(nodes) -> None:
+    _, _, server = nodes
+    base, token = server.url.rsplit("/", 1)
+    stranger = open_peer(f"{base}/{'0' * len(token)}")
+    with pytest.raises(StorageError, match=r"step_00000001/model/data.bin failed: the peer "
+                       r"node at .* refused it \(HTTP 403\): the request's token"):
+        stranger.read_bytes("step_00000001/model/data.bin")
+    with pytest.raises(StorageError, match=r"write of .*/\.\.\./step_00000001/x refused: a peer "
+                       "node's memory is read only"):
+        open_peer(server.url).write_bytes("step_00000001/x", b"no")
+    with pytest.raises(StorageError, match="is not a peer server's URL"):
+        open_peer(base)
