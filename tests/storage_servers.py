@@ -70,10 +70,12 @@ class ServerProcess:
                            f"{self.log.read_text()}")
 
     def stop(self) -> None:
+        """Ask the server to exit, then kill it: its data dies with the test session, and
+        SeaweedFS takes 25 s to shut down gracefully (the others exit within a second)."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=10)
+                self.process.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
