@@ -4,7 +4,7 @@ Run by hand on a machine with a GPU (not a test; it exits 0 with a note where th
 
     python benchmarks/bench_gpu.py --gb 4 --out /tmp/gpu.json
 
-Sections (`--only checks,resume,stall,load` runs some):
+Sections (`--only checks,resume,stall,load,tiers` runs some):
   checks  CUDA-only correctness: every async mode round-trips a CUDA model + AdamW bit for
           bit; early_return commits the state as of save() while the loop changes it; loads
           into CUDA tensors of several dtypes and sizes (larger than a landing slice,
@@ -17,6 +17,8 @@ Sections (`--only checks,resume,stall,load` runs some):
           local disk (--dir).
   load    load() of that state into CUDA tensors against plain dcp.load into the same
           tensors, from the same disk; warm page cache, and cold where caches can be dropped.
+  tiers   a GPU training loop with a memory-tier checkpoint every 10 steps (synchronous, and
+          async pinned + early_return) against the same loop without checkpoints.
 """
 
 from __future__ import annotations
@@ -407,12 +409,90 @@ def load(work: Path, gb: float, reps: int) -> None:
     RESULTS["load"] = found
 
 
+# -- a training loop with memory-tier checkpoints -------------------------------------------
+
+
+def tier_loop(work: Path, gb: float, reps: int, steps: int = 40, every: int = 10,
+              batch: int = 16384) -> None:
+    """A GPU training loop (forward, backward, AdamW) with no checkpoint, and with a memory
+    tier checkpoint every `every` steps: synchronous, and async pinned + early_return (the
+    loop calls wait_staged() before optimizer.step()). The last save's commit is waited for
+    inside the timed loop."""
+    model, opt = build(gb)
+    nbytes = sum(t.nbytes for t in state_tensors(model, opt))
+    x = torch.randn(batch, 4096, device="cuda")
+    # The memory tier in a fresh folder of /dev/shm, removed at the end.
+    shm = Path(tempfile.mkdtemp(prefix="statereg-bench-gpu-", dir="/dev/shm"))
+    os.environ["STATEREG_SHM_DIR"] = str(shm)
+
+    def tiered(root: Path, **save: Any) -> dict[str, Any]:
+        declared = spec(root, **save)
+        del declared["save"]["keep_last"]  # tiers keep per tier
+        declared["tiers"] = {"memory": {"every": every, "keep_last": 2},
+                             "durable": {"every": 10**9 // every * every}}
+        return declared
+
+    def train(mgr: statereg.CheckpointManager | None, first: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        handle = None
+        for step in range(first, first + steps):
+            y = x
+            for layer in model:
+                y = torch.relu(layer(y))
+            y.square().mean().backward()
+            if handle is not None:
+                handle.wait_staged()  # early_return: the copy is done before the state moves
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if mgr is not None:
+                handle = mgr.save(step)
+        if mgr is not None:
+            mgr.wait()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    train(None, 0)  # warm the kernels
+    managers = {
+        "memory, synchronous": statereg.CheckpointManager(
+            tiered(work / "tier-sync"), model=model, optimizer=opt),
+        "memory, pinned + early_return": statereg.CheckpointManager(
+            tiered(work / "tier-async", **{"async": "pinned", "early_return": True}),
+            model=model, optimizer=opt)}
+    times: dict[str, list[float]] = {"none": [], **{name: [] for name in managers}}
+    first = every  # each manager saved once first: its buffers and files exist
+    for manager in managers.values():
+        manager.save(first)
+        manager.wait()
+    for _ in range(reps):  # alternate, so drift in the machine hits every mode alike
+        times["none"].append(train(None, 0))
+        for name, manager in managers.items():
+            first += steps
+            times[name].append(train(manager, first + 1))
+    for manager in managers.values():
+        manager.close()
+    shutil.rmtree(shm)
+    base = statistics.median(times["none"])
+    found: dict[str, Any] = {"state_gb": nbytes / 1e9, "steps": steps, "every": every,
+                             "step_s": base / steps, "none_s": base}
+    log(f"  state {nbytes / 1e9:.2f} GB, {steps} steps of {base / steps * 1000:.0f} ms, "
+        f"a memory checkpoint every {every}")
+    for name in managers:
+        seconds = statistics.median(times[name])
+        found[name] = {"seconds": seconds, "slowdown_pct": 100 * (seconds / base - 1)}
+        log(f"  {name:30s} {seconds:.2f} s against {base:.2f} s: "
+            f"{100 * (seconds / base - 1):+.1f}%")
+    RESULTS["tiers"] = found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=4.0, help="state size for stall and load")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where checkpoints go (local disk)")
-    parser.add_argument("--only", default="checks,resume,stall,load")
+    parser.add_argument("--only", default="checks,resume,stall,load,tiers")
+    parser.add_argument("--tier-gb", type=float, default=1.5,
+                        help="state size for the training loop with memory checkpoints")
     parser.add_argument("--out", default=None, help="write every figure as JSON here")
     parser.add_argument("--profile", action="store_true",
                         help="print a profile of one statereg load (load section)")
@@ -429,7 +509,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="statereg-gpu-", dir=args.dir))
     sections = {"checks": lambda: checks(work), "resume": lambda: resume(work),
                 "stall": lambda: stall(work, args.gb, args.reps),
-                "load": lambda: load(work, args.gb, args.reps)}
+                "load": lambda: load(work, args.gb, args.reps),
+                "tiers": lambda: tier_loop(work, args.tier_gb, args.reps)}
     failed = False
     for name in args.only.split(","):
         log(f"[{name}]")
