@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from child_processes import forkserver_context
 
 # A `store` parameter for multi-rank tests: ranks are separate processes, and memory:// lives
 # in one process, so they cannot share a checkpoint there.
@@ -46,6 +47,6 @@ def run_ranks(world_size: int, fn: Callable[..., None], tmp: Path, *args: Any) -
     init_file = tmp / f"pg-init-{os.getpid()}-{world_size}-{len(list(tmp.iterdir()))}"
     # Ranks fork from one server process that imported torch and statereg once, rather than
     # each importing them afresh (seconds of CPU per rank, on the two cores CI has).
-    mp.set_forkserver_preload(["torch", "torch.distributed.fsdp", "statereg.manager"])
+    forkserver_context()
     mp.start_processes(_entry, args=(fn, world_size, str(init_file), args), nprocs=world_size,
                        join=True, start_method="forkserver")

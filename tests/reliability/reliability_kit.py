@@ -5,45 +5,21 @@ would)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 from typing import Any
 
 import torch
+from child_processes import forkserver_context
 
 import statereg
 from statereg.backends.checksum import checksum_of, new_hasher
 from statereg.backends.registry import open_backend
 
-_CONTEXT: Any = None
-
 
 def forkserver() -> Any:
     """A multiprocessing context whose children fork from a server that imported torch,
-    statereg and the crash driver once: each child starts in milliseconds, not seconds."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        import multiprocessing.forkserver
-
-        context = multiprocessing.get_context("forkserver")
-        # torch._dynamo: the first optimizer of a process imports it (seconds).
-        context.set_forkserver_preload(
-            ["torch", "torch._dynamo", "statereg.manager", "s3fs", "crash_driver"])
-        # Python 3.11's forkserver ignores the parent's sys.path when it preloads; the
-        # environment reaches it, so the driver's directory goes in through PYTHONPATH.
-        here = os.path.dirname(os.path.abspath(__file__))
-        previous = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [here, os.path.dirname(here), *([previous] if previous else [])])
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            if previous is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = previous
-        _CONTEXT = context
-    return _CONTEXT
+    statereg and the crash driver once (tests/child_processes.py)."""
+    return forkserver_context()
 
 
 def run_child(target: Any, *args: Any, timeout: float = 120) -> int:

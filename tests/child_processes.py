@@ -1,0 +1,48 @@
+"""The forkserver that every test's child processes fork from: the distributed harness's
+ranks and the reliability drivers' children alike.
+
+multiprocessing runs one forkserver per process, and whoever starts it first decides what it
+imports before forking. When the harness started it with its own list, every reliability
+child of the same session (a full run reaches tests/distributed first) imported s3fs, the
+crash driver and torch._dynamo afresh, most of a second of CPU per child; when a reliability
+test started it, ranks imported FSDP each. Both start it here, with what either needs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+from typing import Any
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# torch._dynamo: the first optimizer of a process imports it (half a second of CPU).
+# crash_driver (tests/reliability): the module the reliability children run.
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "statereg.manager", "s3fs",
+           "crash_driver"]
+
+_STARTED = False
+
+
+def forkserver_context() -> Any:
+    """The forkserver multiprocessing context, its server started with PRELOAD imported:
+    a child starts in milliseconds, not seconds."""
+    global _STARTED
+    context = multiprocessing.get_context("forkserver")
+    if not _STARTED:
+        context.set_forkserver_preload(PRELOAD)
+        # Python 3.11's forkserver ignores the parent's sys.path when it preloads; the
+        # environment reaches it, so the drivers' directories go in through PYTHONPATH.
+        previous = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [os.path.join(_TESTS, "reliability"), _TESTS, *([previous] if previous else [])])
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if previous is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = previous
+        _STARTED = True
+    return context
