@@ -9,7 +9,10 @@ checkpoint to storage.url within the grace period, and exit (docs/tiers.md#signa
               async save in flight, copy the newest memory checkpoint to storage.url unless it
               is there, log one line, tell the other ranks, exit with status 128 + signum
     other ranks (tiers) -> a thread waits for rank 0's word (or the deadline) and exits; the
-              main thread carries on meanwhile, so a save rank 0 is in still completes
+              main thread carries on meanwhile, so a save rank 0 is in still completes; a
+              save that fails because rank 0 has left waits for that thread. On several
+              nodes the word is read through rank 0's peer server, which serves it a moment
+              longer before rank 0 exits
 
 Nothing here runs a collective after the signal, nor touches the dataloader. The exit is
 os._exit: no atexit handler, DataLoader teardown or process-group shutdown can hang it, and
@@ -46,6 +49,7 @@ logger = logging.getLogger("statereg")
 # over; the token is drawn at construction, so a restarted job never reads an old one.
 FLUSHED_PREFIX = "signal-flushed-"
 _POLL_S = 0.02
+_WORD_LINGER_S = 0.5  # rank 0 serves its word this long on several nodes (25 polls)
 
 
 def exit_status(signum: int) -> int:
@@ -164,6 +168,16 @@ class SignalGuard:
             self._saving += 1
             try:
                 return save(*args, **kwargs)
+            except BaseException as exc:
+                if self._received is None or not self._follower:
+                    raise
+                # Rank 0 left after its flush, under this rank's collective: not an error
+                # of the run. The watching thread exits once it has rank 0's word.
+                logger.warning("%s: a save failed after the signal (%s: %s): rank 0 has "
+                               "left; waiting for its word", self._name(), type(exc).__name__,
+                               exc)
+                self._watcher.join()
+                raise
             finally:
                 self._saving -= 1
                 if self._received is not None and not self._saving and not self._follower:
@@ -221,7 +235,7 @@ class SignalGuard:
     def _rank_zero_flushed(self) -> bool:
         assert self._tiers is not None and self._flushed is not None
         try:
-            return self._tiers.memory.exists(self._flushed)
+            return self._tiers.leader_node_has(self._flushed)
         except Exception as exc:  # the node's tmpfs: ask again until the deadline
             logger.debug("checking for rank 0's flush: %s", exc)
             return False
@@ -241,6 +255,12 @@ class SignalGuard:
                 self._tiers.memory.write_bytes(self._flushed, b"done\n")
             except Exception as exc:  # the other ranks then exit at the deadline
                 logger.error("%s: could not tell the other ranks (%s)", self._name(), exc)
+            else:
+                if self._tiers.nodes.count > 1:
+                    # Ranks on other nodes read the word through this process's peer
+                    # server: serve it a moment longer than they take to ask again.
+                    time.sleep(min(_WORD_LINGER_S,
+                                   max(0.0, self._since + self.grace_s - time.monotonic())))
         _exit(self._status())
 
     def _flush(self) -> str:

@@ -199,6 +199,14 @@ class TierEngine:
         peers = [open_peer(urls[self.nodes.leader(n)]) for n in self._peer_nodes]
         self.reader = NodeMemoryBackend(folder, peers)
 
+    def leader_node_has(self, path: str) -> bool:
+        """Whether rank 0's node's memory folder holds `path`: this node's folder, or that
+        node's peer server (one request, however many nodes there are)."""
+        node = self.nodes.of_rank[0]
+        if node == self.node or not isinstance(self.reader, NodeMemoryBackend):
+            return self.memory.exists(path)
+        return self.reader.peers[self._peer_nodes.index(node)].exists(path)
+
     # -- saving -------------------------------------------------------------------------
 
     def due(self, step: int) -> tuple[bool, bool]:

@@ -65,6 +65,8 @@ def spec(root: Path, mode: str = "drill") -> dict[str, Any]:
         "on_signal": {"signals": ["SIGTERM", "SIGUSR1"],
                       "grace_s": 1.0 if mode == "slow_drain" else GRACE_S},
     }
+    if mode == "rank":  # per-rank files: on two nodes, rank 1's live on the other node
+        declared["components"]["rng"] = {"kind": "rng"}
     if mode == "no_tiers":
         del declared["tiers"]
         declared["save"] = {"async": "thread"}
@@ -173,7 +175,7 @@ def train_rank(root: Path, rank: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root / 'pg-init'}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
     trainee = Trainee()
-    mgr = statereg.CheckpointManager(spec(root), model=trainee.model,
+    mgr = statereg.CheckpointManager(spec(root, "rank"), model=trainee.model,
                                      optimizer=trainee.optimizer)
     for step, batch in enumerate(batches(workers=0), start=1):
         trainee.step(batch)
@@ -415,11 +417,15 @@ def test_on_signal_shorthands_are_the_long_form(tmp_path: Path) -> None:
     assert long.on_signal is not None and long.on_signal.grace_s == 25.0
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
 def test_two_ranks_both_signalled_rank_0_flushes_and_rank_1_leaves_after_it(
-        tmp_path: Path, env: dict[str, str]) -> None:
+        tmp_path: Path, env: dict[str, str], nodes: int) -> None:
+    # On two simulated nodes rank 1's files are in node1's memory only: rank 0's flush reads
+    # them from rank 1's node while rank 1 waits for the flush.
     ranks = []
     for rank in (0, 1):
-        ranks.append(forkserver().Process(target=child, args=("rank", tmp_path, env, rank)))
+        node = {**env, "STATEREG_NODE": f"node{rank if nodes == 2 else 0}"}
+        ranks.append(forkserver().Process(target=child, args=("rank", tmp_path, node, rank)))
         ranks[-1].start()
     wait_for(tmp_path / "started", ranks[0])
     time.sleep(0.2)
@@ -440,4 +446,10 @@ def test_two_ranks_both_signalled_rank_0_flushes_and_rank_1_leaves_after_it(
     newest = list_committed(memory)[-1]
     assert newest.name in errs[0]
     assert newest.step in assert_durable_whole(tmp_path)
+    flushed = statereg.read_manifest(str(tmp_path / "durable" / newest.name))
+    assert {"rng/rank_00000.json", "rng/rank_00001.json"} <= {f.path for f in flushed.files}
+    if nodes == 2:  # node1's memory holds rank 1's files and not rank 0's
+        node1 = next(Path(env["STATEREG_SHM_DIR"]).glob("statereg/node1/signals/ws2-*"))
+        assert (node1 / newest.name / "rng" / "rank_00001.json").exists()
+        assert not (node1 / newest.name / "rng" / "rank_00000.json").exists()
     assert [n for n in memory.list_dir("") if n.startswith("signal-flushed-")] != []
