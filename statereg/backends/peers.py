@@ -10,7 +10,7 @@ need a file of another node; that node's leader serves its folder over HTTP (std
 `PeerBackend` is a small stdlib `http.client` client: keep-alive connections pooled per peer,
 ranged GETs, and bodies read with `readinto` straight into the caller's buffer, so a tensor
 read from a peer is one copy from the socket into the tensor (fsspec's aiohttp filesystem,
-used before, moved the same file at a fifth of the rate: docs/performance.md). Every byte
+used before, read a large file at under a third of the rate: docs/performance.md). Every byte
 read that way is checked against the manifest like any other read, so a peer can fail a
 load but never slip a wrong byte into it.
 
