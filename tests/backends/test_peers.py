@@ -4,6 +4,7 @@ and a backend that reads what its own node lacks from them (docs/tiers.md)."""
 from __future__ import annotations
 
 import os
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -181,3 +182,15 @@ def test_a_wrong_token_is_refused_with_a_storage_error_and_a_peer_is_read_only(n
         open_peer(server.url).write_bytes("step_00000001/x", b"no")
     with pytest.raises(StorageError, match="is not a peer server's URL"):
         open_peer(base)
+
+
+def test_a_kept_connection_the_server_has_since_closed_is_replaced(nodes) -> None:
+    _, _, server = nodes
+    peer = open_peer(server.url)
+    path = "step_00000001/model/data.bin"
+    assert peer.read_bytes(path) == DATA
+    kept = set(server._server._connections)
+    for connection in kept:  # as the server's idle timeout does
+        connection.shutdown(socket.SHUT_RDWR)
+    assert peer.read_bytes(path) == DATA and peer.size(path) == len(DATA)
+    assert len(kept) == 1 and not kept & server._server._connections
