@@ -42,7 +42,7 @@ pip=("$venv/bin/python" -m pip install -qq --disable-pip-version-check --progres
 # The pip that venv bundles can be years old, and its resolver fails on this dependency set.
 # -qq: errors only (pip's warnings about this machine's index settings would fill the screen).
 if ! "${pip[@]}" --upgrade pip \
-  || ! "${pip[@]}" -c constraints.txt -e ".[test,s3,gcs,azure,tiers]"
+  || ! "${pip[@]}" -c constraints.txt -e ".[test,s3,gcs,azure]"
 then
   echo "setup: pip install failed (errors above); run again to retry, or delete $venv" >&2
   exit 1
