@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from bench_save_load import drop_caches
 from torch import nn
 
 import statereg
@@ -312,15 +313,6 @@ def stall(work: Path, gb: float, reps: int) -> None:
 
 
 # -- load ---------------------------------------------------------------------------------
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def disk_floor(work: Path, nbytes: int) -> dict[str, float]:
