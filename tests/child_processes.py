@@ -11,8 +11,11 @@ test started it, ranks imported FSDP each. Both start it here, with what either 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.context
 import multiprocessing.forkserver
 import os
+import threading
 from typing import Any
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -23,13 +26,45 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "statereg.manager
            "crash_driver"]
 
 _STARTED = False
+# A forkserver child's exit status arrives as 8 bytes on a pipe, and Popen.poll is not
+# thread-safe: start() in one thread polls every other running child (multiprocessing's
+# _cleanup), and when it and that child's own join() both find the pipe readable, the one
+# that reads second meets EOF and records exit code 255 (the drills run two trainers at a
+# time from two threads). Every start and status read holds this lock.
+_STATUS = threading.RLock()
+
+
+class _Child(multiprocessing.context.ForkServerProcess):
+    """A forkserver Process whose status is read by one thread at a time."""
+
+    def start(self) -> None:
+        with _STATUS:
+            super().start()
+
+    def join(self, timeout: float | None = None) -> None:
+        multiprocessing.connection.wait([self.sentinel], timeout)  # waits without reading
+        with _STATUS:
+            super().join(0)
+
+    def is_alive(self) -> bool:
+        with _STATUS:
+            return super().is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        with _STATUS:
+            return super().exitcode
+
+
+class _Context(multiprocessing.context.ForkServerContext):
+    Process = _Child
 
 
 def forkserver_context() -> Any:
     """The forkserver multiprocessing context, its server started with PRELOAD imported:
     a child starts in milliseconds, not seconds."""
     global _STARTED
-    context = multiprocessing.get_context("forkserver")
+    context = _Context()
     if not _STARTED:
         context.set_forkserver_preload(PRELOAD)
         # Python 3.11's forkserver ignores the parent's sys.path when it preloads; the
