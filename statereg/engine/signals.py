@@ -186,10 +186,16 @@ class SignalGuard:
         return guarded
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # First of all: the signal also kills the DataLoader's workers, and their SIGCHLD
+        # can run the DataLoader's handler, which raises, inside this one (seen in the drill:
+        # the trainer then died with that error). Once SIG_DFL, a pending one never runs.
+        try:
+            _quiet_sigchld()
+        except RuntimeError:  # it ran just now, in here: the workers are gone, as expected
+            _quiet_sigchld()
         if self._received is not None:
             return  # already acting on a signal: a repeated one changes nothing
         self._received, self._since = signum, time.monotonic()
-        _quiet_sigchld()
         self._signalled.set()
         if self._follower:
             return  # the watching thread exits once rank 0 has flushed
