@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from tier_trainee import Trainee
 
 import statereg
 from statereg.backends.registry import open_backend
@@ -49,31 +49,6 @@ def tiered(url: str, memory: dict[str, Any] | None = None,
     return {"storage": {"url": url}, "components": COMPONENTS,
             "tiers": {"memory": {"every": 2, **(memory or {})},
                       "durable": {"every": 4, **(durable or {})}}, **extra}
-
-
-class Trainee:
-    """A tiny model and AdamW whose state after step s is the same bits in every run."""
-
-    def __init__(self) -> None:
-        torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
-
-    def step(self, step: int) -> None:
-        data = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        self.model(data).square().mean().backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def manager(self, spec: dict[str, Any]) -> statereg.CheckpointManager:
-        return statereg.CheckpointManager(spec, model=self.model, optimizer=self.optimizer)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        found = {f"model.{k}": v.clone() for k, v in self.model.state_dict().items()}
-        for index, state in self.optimizer.state_dict()["state"].items():
-            found.update({f"opt.{index}.{k}": torch.as_tensor(v).clone()
-                          for k, v in state.items()})
-        return found
 
 
 def trained(steps: int) -> Trainee:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import tier_trainee
 import torch
 from reliability_kit import KILLED, assert_identical, run_child
 from tqdm import tqdm
@@ -61,32 +62,13 @@ def spec(durable: str) -> dict[str, Any]:
                       "durable": {"every": DURABLE_EVERY, "keep_last": 2}}}
 
 
-class Trainee:
-    """A tiny model and AdamW whose state after step s is the same bits in every process."""
-
+class Trainee(tier_trainee.Trainee):
     def __init__(self) -> None:
         torch.set_num_threads(1)
-        torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                         torch.nn.Linear(16, 4))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        super().__init__()
 
-    def step(self, step: int) -> None:
-        data = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        self.model(data).square().mean().backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def manager(self, durable: str) -> statereg.CheckpointManager:
-        return statereg.CheckpointManager(spec(durable), model=self.model,
-                                          optimizer=self.optimizer)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        found = {f"model.{k}": v.clone() for k, v in self.model.state_dict().items()}
-        for index, state in self.optimizer.state_dict()["state"].items():
-            found.update({f"opt.{index}.{k}": torch.as_tensor(v).clone()
-                          for k, v in state.items()})
-        return found
+    def manager(self, durable: str) -> statereg.CheckpointManager:  # type: ignore[override]
+        return super().manager(spec(durable))
 
 
 @functools.cache

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tier_trainee
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import statereg
 from statereg.engine.verify import verify_files
@@ -57,30 +57,19 @@ def _spec(durable: str, replicate: bool, drain_every: int) -> dict[str, Any]:
             "tiers": {"memory": memory, "durable": {"every": drain_every}}}
 
 
-class Trainee:
+class Trainee(tier_trainee.Trainee):
+    """The shared trainee, larger, with a per-rank data cursor."""
+
     def __init__(self, rank: int, seed: int = 0) -> None:
-        torch.manual_seed(seed)
-        self.model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        super().__init__(width=16, hidden=32, rows=8, seed=seed)
         self.cursor = Cursor(1000 * rank)
 
     def step(self, step: int) -> None:
-        data = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
-        self.model(data).square().mean().backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        super().step(step)
         self.cursor.value += 1
 
-    def manager(self, spec: dict[str, Any]) -> statereg.CheckpointManager:
-        return statereg.CheckpointManager(spec, model=self.model, optimizer=self.optimizer,
-                                          cursor=self.cursor)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        found = {f"model.{k}": v.clone() for k, v in self.model.state_dict().items()}
-        for index, state in self.optimizer.state_dict()["state"].items():
-            found.update({f"opt.{index}.{k}": torch.as_tensor(v).clone()
-                          for k, v in state.items()})
-        return found
+    def manager(self, spec: dict[str, Any]) -> statereg.CheckpointManager:  # type: ignore[override]
+        return super().manager(spec, cursor=self.cursor)
 
 
 def _on_node(rank: int, shm: Path, per_node: int = 2) -> None:

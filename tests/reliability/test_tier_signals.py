@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tier_trainee
 import torch
 import torch.distributed as dist
 from reliability_kit import forkserver
@@ -87,27 +88,10 @@ def batches(workers: int) -> Iterator[torch.Tensor]:
             yield batch
 
 
-class Trainee:
-    """A tiny model and AdamW whose state after step s is the same bits in every process."""
-
+class Trainee(tier_trainee.Trainee):
     def __init__(self) -> None:
         torch.set_num_threads(1)
-        torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                         torch.nn.Linear(16, 4))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
-
-    def step(self, batch: torch.Tensor) -> None:
-        self.model(batch).square().mean().backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        found = {f"model.{k}": v.clone() for k, v in self.model.state_dict().items()}
-        for index, state in self.optimizer.state_dict()["state"].items():
-            found.update({f"opt.{index}.{k}": torch.as_tensor(v).clone()
-                          for k, v in state.items()})
-        return found
+        super().__init__()
 
 
 def announce(path: Path, text: str) -> None:
@@ -147,7 +131,7 @@ def train(mode: str, root: Path) -> None:
     for step, batch in enumerate(batches(workers=2), start=1):
         if time.monotonic() > deadline:
             os._exit(97)  # never signalled: the test that started it is gone
-        trainee.step(batch)
+        trainee.train_on(batch)
         mgr.save(step)
         if mode == "drill" and step == 2:
             announce(root / "started", "step 2")
@@ -178,7 +162,7 @@ def train_rank(root: Path, rank: int) -> None:
     mgr = statereg.CheckpointManager(spec(root, "rank"), model=trainee.model,
                                      optimizer=trainee.optimizer)
     for step, batch in enumerate(batches(workers=0), start=1):
-        trainee.step(batch)
+        trainee.train_on(batch)
         mgr.save(step)
         if step == 2 and rank == 0:
             announce(root / "started", "step 2")
@@ -190,7 +174,7 @@ def trained(steps: int) -> dict[str, torch.Tensor]:
     for step, batch in enumerate(batches(workers=0), start=1):
         if step > steps:
             break
-        trainee.step(batch)
+        trainee.train_on(batch)
     return trainee.tensors()
 
 
