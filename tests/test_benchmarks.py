@@ -131,3 +131,14 @@ def test_bench_scale_quick_prints_growth_exponents_and_the_100k_tensor_manifest(
     # Four files per rank (two DCP data files, dataloader, rng) and four written once.
     assert int(manifest.group(1)) == 4 * 4096 + 4
     assert int(manifest.group(4)) > int(manifest.group(2)) + 100_000 * 50
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="with CUDA the script runs its whole benchmark (by hand only)")
+def test_gpu_benchmark_imports_and_skips_without_cuda() -> None:
+    # It is never run here, but it imports statereg's CUDA paths (landing slices, staging):
+    # a rename there must fail this test, not the next run on a GPU machine.
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_gpu.py")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO / "benchmarks")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "no CUDA device: nothing to measure" in done.stdout
