@@ -598,12 +598,11 @@ class BackendReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         # DCP reads one file after another on the caller's thread; files are independent, so
         # read (and decompress) them on `thread_count` threads.
-        # Tensors that live on a GPU are filled through page-locked slices (device_reads).
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path,
                                 []).append(item)
-        landing = DeviceLanding()
+        landing = DeviceLanding()  # tensors on a GPU arrive through page-locked slices
         try:
             if self.thread_count <= 1 or len(per_file) <= 1:
                 for relative_path, items in per_file.items():
@@ -623,7 +622,7 @@ class BackendReader(FileSystemReader):
         return done
 
     def _read_file(self, relative_path: str, items: list[ReadItem], planner: LoadPlanner,
-                   landing: DeviceLanding | None = None) -> None:
+                   landing: DeviceLanding) -> None:
         """DCP's per-file read, except only the items' bytes are fetched (one ranged read per
         run of adjacent items on an object store), tensors are read straight into their
         destination, and every item is checked against its digest as it is read."""
@@ -648,7 +647,7 @@ class BackendReader(FileSystemReader):
                     ) from None
 
     def _read_item(self, stream: Any, req: ReadItem, planner: LoadPlanner,
-                   landing: DeviceLanding | None = None) -> None:
+                   landing: DeviceLanding) -> None:
         """One item: verified, decoded within its recorded bounds, into its destination."""
         info: StorageInfo = self.storage_data[req.storage_index]
         where = self.describe_item(req.storage_index)

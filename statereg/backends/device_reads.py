@@ -62,10 +62,10 @@ class DeviceLanding:
             readinto(view)
             if hasher is not None:
                 hasher.update(view)
-            with torch.cuda.stream(stream):
-                flat[at:at + size].copy_(ring.slices[turn][:size], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+            # On the device's current stream (where later work on the tensor runs too).
+            flat[at:at + size].copy_(ring.slices[turn][:size], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
             ring.done[turn] = event
 
     def finish(self) -> None:

@@ -291,7 +291,8 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
         _hash_range(stream, offset, start, hasher)
     stream.seek(start)
     nbytes = target.nbytes
-    if landing is not None and on_device:
+    if on_device:
+        assert landing is not None
         landing.fill(target.detach(), lambda view: _read_exactly(stream, view), hasher)
     else:
         data = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
