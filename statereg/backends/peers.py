@@ -26,7 +26,6 @@ import hmac
 import os
 import re
 import secrets
-import shutil
 import socket
 import struct
 import threading
@@ -39,13 +38,13 @@ from typing import Any, ClassVar, NoReturn
 from urllib.parse import quote, unquote, urlsplit
 
 from statereg.backends.base import PositionedReads, StorageBackend, StoredFile
+from statereg.backends.checksum import Recorded, verify_stream
 from statereg.backends.local import temporary_name
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.errors import StorageError
 
 PEER_HOST_ENV = "STATEREG_PEER_HOST"
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
-_CHUNK = 1 << 20
 # Seconds a peer may take to accept, answer or send more bytes before it counts as gone.
 _TIMEOUT = 60.0
 # Seconds the server keeps an idle keep-alive connection (a reader that vanished frees its
@@ -622,15 +621,18 @@ class NodeMemoryBackend(SharedMemoryBackend):
                      if p.startswith(prefix) and p not in seen and nodes]
         return sorted(here + elsewhere, key=lambda f: f.path)
 
-    def fetch(self, peer: StorageBackend, path: str) -> None:
-        """Copy `path` from `peer` into this node's folder (a replica); a reader never sees
-        a part of it: it is written under a temporary name and renamed when complete."""
+    def fetch(self, peer: StorageBackend, path: str, record: Recorded) -> None:
+        """Copy `path` from `peer` into this node's folder (a replica), checked against its
+        manifest `record` as it is copied; a reader never sees a part of it, nor a copy that
+        does not match (the peer's file rewritten under it, say by the page reuse of a
+        retired checkpoint): it is written under a temporary name and renamed when whole
+        and verified (else CorruptCheckpointError, and no replica)."""
         if super().exists(path):
             return
         tmp = temporary_name(path)
         try:
             with peer.open_blocks(path) as source, self.open_write(tmp) as sink:
-                shutil.copyfileobj(source, sink, _CHUNK)
+                verify_stream(peer.display(path), record, source, sink.write)
             os.replace(self.full_path(tmp), self.full_path(path))
         finally:
             with suppress(FileNotFoundError):

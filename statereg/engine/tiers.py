@@ -54,7 +54,7 @@ from statereg.errors import (
     ManifestError,
     StateregError,
 )
-from statereg.schemas.manifest import MANIFEST_NAME, parse_manifest
+from statereg.schemas.manifest import MANIFEST_NAME, FileRecord, parse_manifest
 from statereg.schemas.spec import RegistrySpec, SaveSpec
 from statereg.state.protocols import TensorState
 
@@ -293,8 +293,9 @@ class TierEngine:
         if self.replicate:
             source = self.nodes.previous(self.node)
             files = parse_manifest(manifest, self.memory.display(name)).files
-            wanted = {f"{name}/{r.path}" for r in files}
-            theirs = [p for p, _ in everyone[self.nodes.leader(source)][1] if p in wanted]
+            wanted = {f"{name}/{r.path}": r for r in files}
+            theirs = [(p, wanted[p]) for p, _ in everyone[self.nodes.leader(source)][1]
+                      if p in wanted]
             self._replica = threading.Thread(target=self._replicate, args=(source, theirs),
                                              name="statereg-replica", daemon=True)
             self._replica.start()
@@ -305,20 +306,21 @@ class TierEngine:
         self.memory.write_bytes(f"{name}/{MANIFEST_SUM_NAME}", digest)
         self.memory.write_bytes(f"{name}/{MANIFEST_NAME}", manifest)
 
-    def _replicate(self, source: int, paths: list[str]) -> None:
-        """Copy node `source`'s files into this node's folder (runs on a thread)."""
+    def _replicate(self, source: int, files: list[tuple[str, FileRecord]]) -> None:
+        """Copy node `source`'s files into this node's folder, each checked against its
+        manifest record (runs on a thread)."""
         assert isinstance(self.reader, NodeMemoryBackend)
         peer = self.reader.peers[self._peer_nodes.index(source)]
         started = time.perf_counter()
         try:
-            for path in paths:
-                self.reader.fetch(peer, path)
+            for path, record in files:
+                self.reader.fetch(peer, path, record)
         except Exception as exc:
             logger.warning("memory tier: replicating node %d's files into node %d failed "
                            "(%s); a loss of node %d now restores from storage.url", source,
                            self.node, exc, source)
             return
-        logger.debug("memory tier: replicated %d file(s) of node %d in %.2f s", len(paths),
+        logger.debug("memory tier: replicated %d file(s) of node %d in %.2f s", len(files),
                      source, time.perf_counter() - started)
 
     def _join_replica(self) -> None:

@@ -15,7 +15,7 @@ import pytest
 from statereg.backends.checksum import checksum_of, new_hasher
 from statereg.backends.peers import NodeMemoryBackend, PeerServer, open_peer
 from statereg.engine.verify import verify_files
-from statereg.errors import StorageError
+from statereg.errors import CorruptCheckpointError, StorageError
 from statereg.schemas.manifest import FileRecord
 
 DATA = bytes(range(256)) * 64
@@ -64,14 +64,33 @@ def test_a_node_reads_what_it_lacks_from_its_peer(nodes) -> None:
         b.read_bytes("step_00000001/model/other.bin")
 
 
+def _record(path: str, data: bytes) -> FileRecord:
+    hasher = new_hasher()
+    hasher.update(data)
+    return FileRecord(path=path, size=len(data), checksum=checksum_of(hasher))
+
+
 def test_a_replica_appears_only_whole_and_is_then_read_locally(nodes) -> None:
     a, b, _ = nodes
     path = "step_00000001/model/data.bin"
-    b.fetch(b.peers[0], path)
+    b.fetch(b.peers[0], path, _record(path, DATA))
     assert Path(b.full_path(path)).read_bytes() == DATA
     assert sorted(os.listdir(Path(b.full_path(path)).parent)) == ["data.bin"]  # no temp left
     os.remove(a.full_path(path))
     assert b.read_bytes(path) == DATA  # its own copy now
+
+
+def test_a_replica_that_does_not_match_its_manifest_is_never_installed(nodes) -> None:
+    # The peer's file changed under the copy (rewritten, damaged): the copy is refused.
+    a, b, _ = nodes
+    path = "step_00000001/model/data.bin"
+    changed = bytearray(DATA)
+    changed[5000] ^= 1
+    a.write_bytes(path, bytes(changed))
+    with pytest.raises(CorruptCheckpointError, match=r"data\.bin"):
+        b.fetch(b.peers[0], path, _record(path, DATA))
+    folder = Path(b.full_path(path)).parent
+    assert not folder.exists() or os.listdir(folder) == []  # no replica, no temporary
 
 
 def test_holders_show_peer_files_in_walk_so_verify_sees_them(nodes) -> None:

@@ -204,26 +204,24 @@ KILL_STEPS = 6
 
 def _arm(kill_at: int, at_end: bool) -> None:
     """Die by SIGKILL in the `kill_at`-th replica copy of this process: as it starts, or
-    with the whole file copied under its temporary name (before the rename)."""
+    with the whole file copied (and verified) under its temporary name (before the rename)."""
     from statereg.backends import peers
 
-    real = shutil.copyfileobj
+    real = peers.verify_stream
     calls = [0]
 
-    class Tripwire:
-        @staticmethod
-        def copyfileobj(source: Any, sink: Any, length: int = 0) -> None:
-            calls[0] += 1
-            if calls[0] == kill_at:
-                if at_end:
-                    real(source, sink, length)
-                else:
-                    sink.write(source.read(1 + length // 2))
-                sink.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
-            real(source, sink, length)
+    def verify_stream(where: str, record: Any, source: Any, sink: Any) -> None:
+        calls[0] += 1
+        if calls[0] == kill_at:
+            if at_end:
+                real(where, record, source, sink)
+            else:
+                sink(source.read(1 + record.size // 2))
+            sink.__self__.flush()  # sink is the temporary file's write
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(where, record, source, sink)
 
-    peers.shutil = Tripwire  # type: ignore[assignment]
+    peers.verify_stream = verify_stream  # type: ignore[assignment]
 
 
 def replica_job(rank: int, init: str, shm: str, durable: str, out: str,
