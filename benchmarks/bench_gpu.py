@@ -4,7 +4,7 @@ Run by hand on a machine with a GPU (not a test; it exits 0 with a note where th
 
     python benchmarks/bench_gpu.py --gb 4 --out /tmp/gpu.json
 
-Sections (`--only checks,resume,stall,load,tiers` runs some):
+Sections (`--only checks,resume,stall,load,tiers,ranks` runs some):
   checks  CUDA-only correctness: every async mode round-trips a CUDA model + AdamW bit for
           bit; early_return commits the state as of save() while the loop changes it; loads
           into CUDA tensors of several dtypes and sizes (larger than a landing slice,
@@ -19,6 +19,8 @@ Sections (`--only checks,resume,stall,load,tiers` runs some):
           tensors, from the same disk; warm page cache, and cold where caches can be dropped.
   tiers   a GPU training loop with a memory-tier checkpoint every 10 steps (synchronous, and
           async pinned + early_return) against the same loop without checkpoints.
+  ranks   2 gloo ranks sharing the GPU: a replicated CUDA model + AdamW saved async and
+          loaded read-once (one rank reads, the others receive) bit for bit on every rank.
 """
 
 from __future__ import annotations
@@ -74,9 +76,14 @@ def build(gb: float, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The model's tensors and the optimizer's CUDA state, in parameter order and by state
+    key (a load after a multi-rank save fills each parameter's state in the checkpoint's
+    item order, not the order AdamW created it in)."""
     tensors = list(model.state_dict().values())
-    tensors += [v for s in opt.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor) and v.is_cuda]
+    for param in model.parameters():
+        state = opt.state.get(param, {})
+        tensors += [state[key] for key in sorted(state)
+                    if isinstance(state[key], torch.Tensor) and state[key].is_cuda]
     return tensors
 
 
@@ -401,6 +408,87 @@ def load(work: Path, gb: float, reps: int) -> None:
     RESULTS["load"] = found
 
 
+# -- ranks ----------------------------------------------------------------------------------
+
+
+RANK_MODES = {"off": {"async": "off"}, "thread": {"async": "thread"},
+              "pinned": {"async": "pinned"},
+              "thread+early_return": {"async": "thread", "early_return": True},
+              "pinned+early_return": {"async": "pinned", "early_return": True}}
+
+
+def rank_job(rank: int, world: int, root: str, init: str) -> None:
+    """One of `world` gloo ranks sharing the one GPU: a replicated CUDA model + AdamW saved
+    in every async mode and loaded into a fresh CUDA model, which reads each file on one
+    rank and broadcasts its items (read once). Writes what differed to ROOT-rankN.json."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+
+    def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The same bits on every rank: trained on the CPU with one thread, then moved (two
+        processes sharing a GPU may not compute bit-identical steps)."""
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(8, 1024)).square().mean().backward()
+        opt.step()
+        state = opt.state_dict()
+        model.cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        opt.load_state_dict(state)  # its moments move to the parameters' device
+        return model, opt
+
+    replicated = {"sharing": "replicated", "validate": True}  # the ranks' copies must agree
+    found: dict[str, Any] = {}
+    for mode, save in RANK_MODES.items():
+        declared = {"storage": {"url": f"{root}/{mode}"},
+                    "components": {"model": {"kind": "model", **replicated},
+                                   "optimizer": {"kind": "optimizer", **replicated}},
+                    "save": save}
+        source = trained(seed=1)
+        expected = [t.clone() for t in state_tensors(*source)]
+        mgr = statereg.CheckpointManager(declared, model=source[0], optimizer=source[1])
+        mgr.save(1).wait_staged()
+        with torch.no_grad():
+            for t in state_tensors(*source):
+                t.add_(1)  # the loop moves on: the checkpoint keeps the state at save()
+        mgr.close()
+        target = trained(seed=99)
+        statereg.CheckpointManager(declared, model=target[0], optimizer=target[1]).load()
+        loaded = state_tensors(*target)
+        found[mode] = {
+            "off_gpu": [i for i, t in enumerate(loaded) if not t.is_cuda],
+            "differ": [i for i, (a, b) in enumerate(zip(loaded, expected, strict=True))
+                       if not torch.equal(a, b)],
+            "equal_to_changed": [i for i, (a, b) in enumerate(zip(loaded, expected,
+                                                                  strict=True))
+                                 if torch.equal(a, b + 1)]}
+    Path(f"{root}-rank{rank}.json").write_text(json.dumps(found))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ranks(work: Path, world: int = 2) -> None:
+    import torch.multiprocessing as mp
+
+    started = time.perf_counter()
+    mp.spawn(rank_job, args=(world, str(work / "ranks"), str(work / "ranks-init")),
+             nprocs=world, join=True)
+    found = {rank: json.loads((work / f"ranks-rank{rank}.json").read_text())
+             for rank in range(world)}
+    exact = all(not r["differ"] and not r["off_gpu"] for f in found.values() for r in f.values())
+    RESULTS["ranks"] = {"world": world, "exact": exact, "per_rank": found,
+                        "seconds": time.perf_counter() - started}
+    for rank, modes in found.items():
+        for mode, r in modes.items():
+            log(f"  rank {rank} {mode:20s} differ {r['differ']} (of them the state after "
+                f"save(): {r['equal_to_changed']}), off the GPU {r['off_gpu']}")
+    assert exact, "a replicated CUDA state did not come back exactly"
+
+
 # -- a training loop with memory-tier checkpoints -------------------------------------------
 
 
@@ -489,7 +577,7 @@ def main() -> int:
     parser.add_argument("--gb", type=float, default=4.0, help="state size for stall and load")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where checkpoints go (local disk)")
-    parser.add_argument("--only", default="checks,resume,stall,load,tiers")
+    parser.add_argument("--only", default="checks,resume,stall,load,tiers,ranks")
     parser.add_argument("--tier-gb", type=float, default=1.5,
                         help="state size for the training loop with memory checkpoints")
     parser.add_argument("--out", default=None, help="write every figure as JSON here")
@@ -509,7 +597,8 @@ def main() -> int:
     sections = {"checks": lambda: checks(work), "resume": lambda: resume(work),
                 "stall": lambda: stall(work, args.gb, args.reps),
                 "load": lambda: load(work, args.gb, args.reps),
-                "tiers": lambda: tier_loop(work, args.tier_gb, args.reps)}
+                "tiers": lambda: tier_loop(work, args.tier_gb, args.reps),
+                "ranks": lambda: ranks(work)}
     failed = False
     for name in args.only.split(","):
         log(f"[{name}]")
