@@ -133,14 +133,14 @@ class StateregSavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if not (self._plain and len(all_plans) == 1):
-            return super().create_global_plan(all_plans)
+            return self._default_global_plan(all_plans)
         plan = all_plans[0]
         md: dict[str, Any] = {}
         shared: dict[int, TensorStorageMetadata] = {}
         for item in plan.items:
             data = item.tensor_data
             if item.type != WriteItemType.TENSOR or data is None or item.index.fqn in md:
-                return super().create_global_plan(all_plans)  # not a plan of ours
+                return self._default_global_plan(all_plans)  # not a plan of ours
             stored = shared.get(id(data))
             if stored is None:
                 stored = shared[id(data)] = TensorStorageMetadata(
@@ -149,6 +149,23 @@ class StateregSavePlanner(DefaultSavePlanner):
         self.global_plan = all_plans
         self.metadata = Metadata(md, planner_data=dict(plan.planner_data or {}))
         return all_plans, self.metadata
+
+    def _default_global_plan(self, all_plans: list[SavePlan],
+                             ) -> tuple[list[SavePlan], Metadata]:
+        """DCP's global plan, with `.metadata`'s entries in the order the state had, not in
+        the order deduplication left: rank 0's items first, as its state dict listed them.
+        A load fills each object in that order (AdamW's per-parameter state comes back as
+        step, exp_avg, exp_avg_sq, as an uninterrupted run has it, not shuffled by which rank
+        wrote which moment)."""
+        plans, metadata = super().create_global_plan(all_plans)
+        order: dict[str, int] = {}
+        for plan in all_plans:
+            for item in plan.items:
+                order.setdefault(item.index.fqn, len(order))
+        entries = metadata.state_dict_metadata
+        metadata.state_dict_metadata = dict(sorted(
+            entries.items(), key=lambda entry: order.get(entry[0], len(order))))
+        return plans, metadata
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         if self._plain:
