@@ -77,8 +77,7 @@ def build(gb: float, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The model's tensors and the optimizer's CUDA state, in parameter order and by state
-    key (a load after a multi-rank save fills each parameter's state in the checkpoint's
-    item order, not the order AdamW created it in)."""
+    key: the comparison is by name, whatever order each dict holds its entries in."""
     tensors = list(model.state_dict().values())
     for param in model.parameters():
         state = opt.state.get(param, {})
