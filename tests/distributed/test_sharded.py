@@ -147,3 +147,26 @@ def test_fsdp2_checkpoint_on_an_object_store_reshards_4_to_2(store, tmp_path: Pa
     _check_saved_on_4_ranks(store.url, store.options)
     run_ranks(2, load_and_compare, tmp_path, store.url, store.options, reference, 20)
     assert statereg.read_manifest(f"{store.url}/step_00000020", store.options).world_size == 2
+
+
+def async_save_of_shards(rank: int, world: int, root: str) -> None:
+    # Staging copies each rank's shards (a DTensor's local tensor) and keeps the layout.
+    model, opt = _build(seed=0, shard=True)
+    _train(model, opt, 2)
+    before = _snapshot(model, opt)
+    spec = {**_spec(root, {}), "save": {"async": "thread", "early_return": True}}
+    mgr = statereg.CheckpointManager(spec, model=model, optimizer=opt)
+    mgr.save(step=1).wait_staged()
+    _train(model, opt, 1)  # the state moves on while the write runs
+    mgr.close()
+    fresh_model, fresh_opt = _build(seed=rank + 99, shard=True)
+    statereg.CheckpointManager(_spec(root, {}), model=fresh_model, optimizer=fresh_opt).load()
+    after = _snapshot(fresh_model, fresh_opt)
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), f"rank {rank}: {key} is not the staged state"
+
+
+def test_an_async_early_return_save_of_fsdp2_shards_holds_the_state_at_save(
+        tmp_path: Path) -> None:
+    run_ranks(2, async_save_of_shards, tmp_path, str(tmp_path / "ckpt"))
