@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from bench_save_load import drop_caches
+from perfsuite.floor import write_buffered
 from torch import nn
 
 import statereg
@@ -324,21 +325,17 @@ def stall(work: Path, gb: float, reps: int) -> None:
 def disk_floor(work: Path, nbytes: int) -> dict[str, float]:
     """The disk alone: write `nbytes` in 64 MiB blocks and fsync; read the file back warm
     (page cache) and, where caches can be dropped, cold (16 MiB O_DIRECT reads)."""
-    block = os.urandom(64 << 20)
+    block = torch.frombuffer(bytearray(os.urandom(64 << 20)), dtype=torch.uint8)
     path = work / "floor.bin"
     start = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        for _ in range(max(1, nbytes // len(block))):
-            f.write(block)
-        os.fsync(f.fileno())
+    write_buffered(path, [block] * max(1, nbytes // block.numel()))  # the suite's floor
     size = path.stat().st_size
     found = {"write_fsync_gbps": size / (time.perf_counter() - start) / 1e9}
-    buffer = bytearray(16 << 20)
     for cache in ("warm", "cold"):
         if cache == "cold" and not drop_caches():
             break
         flags = os.O_RDONLY | (os.O_DIRECT if cache == "cold" else 0)
-        aligned = memoryview(mmap.mmap(-1, len(buffer)))
+        aligned = memoryview(mmap.mmap(-1, 16 << 20))  # page-aligned, as O_DIRECT needs
         fd = os.open(path, flags)
         start = time.perf_counter()
         while os.readv(fd, [aligned]):
