@@ -195,6 +195,11 @@ def seaweedfs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve
                           program=_installed(WEED))
     yield server
     server.stop()
+    # Its gRPC sockets are always made in /tmp (no flag moves them): remove this server's.
+    for arg in server.process.args:
+        if ".grpc=" in arg:
+            Path(f"/tmp/seaweedfs-{arg.split('.')[0].lstrip('-')}-grpc-"
+                 f"{arg.split('=')[1]}.sock").unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -133,8 +133,11 @@ def azurite_args() -> list[str]:
 
 def seaweedfs_args(workspace: Path) -> list[str]:
     """`weed server` with its S3 gateway on {port}: master, volume, filer and S3 in one
-    process, every port a free one on 127.0.0.1, data in `workspace`."""
-    return ["server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workspace}",
+    process, every port a free one on 127.0.0.1, data, logs and the sockets it can be told
+    about in `workspace` (by default they pile up in /tmp, one set per test run)."""
+    return [f"-logdir={workspace}", "server", "-s3", f"-s3.localSocket={workspace}/s3.sock",
+            f"-filer.localSocket={workspace}/filer.sock", "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1", f"-dir={workspace}",
             "-master.port={port1}", "-master.port.grpc={port2}", "-volume.port={port3}",
             "-volume.port.grpc={port4}", "-filer.port={port5}", "-filer.port.grpc={port6}",
             "-s3.port={port}", "-s3.port.grpc={port7}", "-s3.port.iceberg={port8}",

@@ -6,6 +6,7 @@ A block whose first line says `run with: torchrun --nproc-per-node N` runs on N 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -35,8 +36,20 @@ def test_docs_have_runnable_examples() -> None:
     assert len(EXAMPLES) >= 5
 
 
+SHM = Path("/dev/shm")
+
+
+def _shm_folders() -> set[str]:
+    """The folders in /dev/shm (files there are other programs' semaphores and segments)."""
+    return {e.name for e in SHM.iterdir() if e.is_dir()} if SHM.is_dir() else set()
+
+
 @pytest.mark.parametrize(("where", "code"), EXAMPLES, ids=[w for w, _ in EXAMPLES])
 def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
+    """Each example runs, and leaves no folder in /dev/shm: tmpfs is RAM until deleted, so
+    an example that forgot its memory tier would teach readers to leak it. Its other
+    temporary folders land under tmp_path ($TMPDIR), which pytest removes."""
+    before = _shm_folders()
     launch = re.search(r"run with: torchrun --nproc-per-node (\d+)", code.splitlines()[0])
     if launch:
         script = tmp_path / "example.py"
@@ -45,8 +58,11 @@ def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
                    "--nproc-per-node", launch.group(1), str(script)]
     else:
         command = [sys.executable, "-c", code]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
     assert done.returncode == 0, f"{where} failed:\n{done.stderr[-3000:]}"
+    left = sorted(_shm_folders() - before)
+    assert not left, f"{where} left {', '.join(str(SHM / n) for n in left)} in shared memory"
 
 
 def test_the_sharing_table_in_the_docs_is_the_one_the_schema_enforces() -> None:
