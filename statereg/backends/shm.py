@@ -94,13 +94,33 @@ class SharedMemoryBackend(LocalBackend):
         held = used_bytes(self.root)
         free = free_bytes(self.root)
         if needed > free + held:
+            others, stale = self._other_jobs(), ""
+            if others:
+                stale = (f"; other jobs' memory checkpoints on this node hold "
+                         f"{sum(others.values()):,} bytes (memory outlives a job by design; "
+                         "delete the folders of finished jobs to free it: "
+                         f"{', '.join(f'{p} {n:,}' for p, n in others.items())})")
             raise StorageError(
                 f"{self.url} ({self.root}) is too small for {what}: it needs {needed:,} bytes, "
                 f"and {free:,} bytes are free plus {held:,} held by this job's memory "
-                "checkpoints. Lower tiers.memory.keep_last, enlarge the tmpfs (e.g. "
+                f"checkpoints{stale}. Lower tiers.memory.keep_last, enlarge the tmpfs (e.g. "
                 f"`mount -o remount,size=... {shm_dir()}`), or point ${SHM_DIR_ENV} at a "
                 "larger one"
             )
+
+    def _other_jobs(self, most: int = 5) -> dict[str, int]:
+        """The biggest job folders (`<run>/<identity>`) on this node other than this root,
+        with the bytes they hold: what a finished job left in memory."""
+        node = os.path.join(shm_dir(), "statereg", node_name())
+        sizes: dict[str, int] = {}
+        for run in os.listdir(node) if os.path.isdir(node) else []:
+            runs = os.path.join(node, run)
+            for job in os.listdir(runs) if os.path.isdir(runs) else []:
+                folder = os.path.join(runs, job)
+                if folder != self.root and not self.root.startswith(folder + os.sep):
+                    sizes[folder] = used_bytes(folder)
+        biggest = sorted((n, p) for p, n in sizes.items() if n)[::-1][:most]
+        return {p: n for n, p in biggest}
 
     # -- reusing the pages of retired checkpoints ----------------------------------------
 

@@ -149,6 +149,26 @@ def test_shm_refuses_a_tmpfs_too_small_with_the_numbers(tmp_path: Path) -> None:
     assert "is too small for tiers.memory.keep_last 1000000000 checkpoints" in text
     assert "bytes are free plus 0 held by this job's memory checkpoints" in text
     assert "Lower tiers.memory.keep_last" in text
+    assert "other jobs" not in text
+
+
+def test_shm_refusal_names_the_memory_other_jobs_left_on_the_node(
+        tmp_path: Path, shm: Path) -> None:
+    """Memory checkpoints outlive their job by design; when they crowd out a new job, the
+    refusal says which folders hold how much, biggest first, this job's own excepted."""
+    left = {shm / "statereg/node0/run6/ws1-aaaa": 3000, shm / "statereg/node0/run5/ws2-bbbb": 7000,
+            shm / "statereg/node1/run4/ws1-cccc": 9000}  # another node's folder: not listed
+    for folder, size in left.items():
+        folder.mkdir(parents=True)
+        (folder / "f.distcp").write_bytes(b"x" * size)
+    spec = tiered(str(tmp_path / "durable"), memory={"keep_last": 10**9})
+    with pytest.raises(StorageError) as raised:
+        Trainee().manager(spec)
+    text = str(raised.value)
+    assert (f"other jobs' memory checkpoints on this node hold 10,000 bytes (memory outlives a "
+            f"job by design; delete the folders of finished jobs to free it: "
+            f"{shm}/statereg/node0/run5/ws2-bbbb 7,000, {shm}/statereg/node0/run6/ws1-aaaa 3,000)"
+            ) in text
 
 
 def test_shm_recycling_writes_over_a_retired_file_and_cuts_it_to_its_new_size() -> None:
