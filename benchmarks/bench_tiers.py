@@ -304,6 +304,11 @@ class Bench:
         plain_s, tiered_s, async_s = [], [], []
         with self.manager(spec, "train") as mgr, \
                 self.manager(spec_async, "train-async") as mgr_async:
+            for manager in (mgr, mgr_async):  # the steady state of a long loop, as warm_up
+                for _ in range(KEEP_LAST + 1):
+                    self.step = (self.step // args.every + 1) * args.every
+                    manager.save(self.step)
+                    manager.wait()
             for _ in range(args.reps):  # alternate, so drift in the machine hits all alike
                 start = time.perf_counter()
                 train(None, 0)
