@@ -83,7 +83,7 @@ def test_bench_tiers_measures_every_row_and_restores_from_memory_reading_no_dura
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {
         "memory_copy", "memory_save", "memory_save_async_stall", "memory_save_async_committed",
-        "disk_save", "restore_memory", "restore_disk_cold",
+        "disk_save", "restore_memory", "restore_floor", "restore_disk_cold",
         "drain_local", "cp_local", "memory_save_draining_local", "train_no_checkpoint",
         "train_memory_every", "train_memory_every_async"}
     assert all(len(row["seconds"]) == 1 for row in result["rows"].values())
