@@ -14,11 +14,16 @@ memory folder each, as real hosts do.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import re
 import shutil
 import socket
 import stat
+import time
+import weakref
 from typing import Any
 
 from statereg.backends.local import LocalBackend
@@ -34,6 +39,8 @@ _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 RECYCLED = ".recycled"
 # Open an existing file for writing from its start without freeing its pages (no O_TRUNC).
 _OVERWRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+# The file a live job holds a lock on, in its memory root (`SharedMemoryBackend.hold`).
+LOCK_NAME = "job.lock"
 
 
 def shm_dir() -> str:
@@ -74,6 +81,7 @@ class SharedMemoryBackend(LocalBackend):
     # Whether a retired checkpoint's pages are written over by the next save instead of
     # being freed and allocated again (the tier engine turns it on; see `remove_tree`).
     recycle = False
+    _held: weakref.finalize | None = None  # closes LOCK_NAME's descriptor: see `hold`
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         name = url[len("shm://"):].strip("/")
@@ -91,7 +99,8 @@ class SharedMemoryBackend(LocalBackend):
         """Refuse, with the numbers, when the shared-memory filesystem cannot hold `needed`
         bytes (counting what this root already holds, which its retention reuses)."""
         os.makedirs(self.root, exist_ok=True)
-        held = used_bytes(self.root)
+        lock = self.full_path(LOCK_NAME)
+        held = used_bytes(self.root) - (os.lstat(lock).st_size if os.path.exists(lock) else 0)
         free = free_bytes(self.root)
         if needed > free + held:
             others, stale = self._other_jobs(), ""
@@ -121,6 +130,49 @@ class SharedMemoryBackend(LocalBackend):
                     sizes[folder] = used_bytes(folder)
         biggest = sorted((n, p) for p, n in sizes.items() if n)[::-1][:most]
         return {p: n for n, p in biggest}
+
+    # -- one live job per memory root --------------------------------------------------
+
+    def hold(self) -> None:
+        """Hold this root for this process until `release()` or its exit, or refuse with the
+        holder when another live process holds it.
+
+        Two jobs saving into one memory root would each take the other's checkpoints for an
+        abandoned run's and replace them (a save of step s removes what this folder holds
+        from step s on), so the second one is refused at construction. A POSIX record lock
+        (fcntl) is dropped by the kernel when its process ends, however it ends (SIGKILL
+        included), so a restarted trainer is never locked out by its dead predecessor, and
+        it is not inherited by forked DataLoader workers that may outlive it for a moment.
+        Within one process it does not conflict, so a manager built again in the same
+        process (a notebook cell run twice) is not refused.
+        """
+        os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.full_path(LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise StorageError(f"cannot lock {self.full_path(LOCK_NAME)}: {exc}") from exc
+            raise StorageError(
+                f"{self.url} ({self.root}) is in use by another live job on this node "
+                f"({holder}): two jobs saving into one memory tier would delete and replace "
+                "each other's checkpoints. Stop that job, or give this one its own "
+                "storage.url (and $STATEREG_RUN_ID, if set)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
+        # A manager dropped without close() lets go of the root when it is collected.
+        self._held = weakref.finalize(self, os.close, fd)
+
+    def release(self) -> None:
+        """Let another job use this root (closing the file drops the lock)."""
+        if self._held is not None:
+            self._held()
+            self._held = None
 
     # -- reusing the pages of retired checkpoints ----------------------------------------
 

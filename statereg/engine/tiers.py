@@ -46,7 +46,7 @@ from statereg.engine.copy import copy_checkpoint
 from statereg.engine.plan import RankPlan, compile_plan
 from statereg.engine.retention import apply_retention
 from statereg.engine.saver import SaveHandle, Saver
-from statereg.engine.tier_report import SMALL_FILES_BYTES, run_id
+from statereg.engine.tier_report import IDENTITY_NAME, SMALL_FILES_BYTES, run_id
 from statereg.engine.world import World, attempt
 from statereg.errors import (
     CheckpointNotFoundError,
@@ -59,8 +59,6 @@ from statereg.schemas.spec import RegistrySpec, SaveSpec
 from statereg.state.protocols import TensorState
 
 logger = logging.getLogger("statereg")
-
-IDENTITY_NAME = "identity.json"
 
 
 def _committed(backend: StorageBackend, name: str) -> bool:
@@ -158,7 +156,12 @@ class TierEngine:
         needed = (self.tiers.memory.keep_last + 1) * node_bytes(
             self.nodes, rank_bytes(spec, world, adapters), self.node, self.replicate)
         _, error = attempt(self._prepare_memory, needed)
-        world.agree(error, f"opening the memory tier {self.memory.url}")
+        try:
+            world.agree(error, f"opening the memory tier {self.memory.url}")
+        except BaseException:
+            if isinstance(self.memory, SharedMemoryBackend):
+                self.memory.release()
+            raise
         self._server: PeerServer | None = None
         self._replica: threading.Thread | None = None
         self._retention: threading.Thread | None = None
@@ -172,11 +175,13 @@ class TierEngine:
         self.drained: list[str] = []  # checkpoints this process drained, in order
 
     def _prepare_memory(self, needed: int) -> None:
-        """Refuse a tmpfs too small for keep_last + 1 checkpoints; record the identity."""
+        """Hold this node's folder for this job (one live job per folder); refuse a tmpfs too
+        small for keep_last + 1 checkpoints; record the identity."""
         memory = self.memory
         if not self.leads:
             return
         if isinstance(memory, SharedMemoryBackend):
+            memory.hold()
             held = "this node's state" + (" and its peer's replica" if self.replicate else "")
             memory.check_room(needed, f"tiers.memory.keep_last {self.tiers.memory.keep_last} "
                                       f"checkpoints of {held} plus the one being written")
@@ -417,6 +422,7 @@ class TierEngine:
             self._join_retention()
             if self.leads and isinstance(self.memory, SharedMemoryBackend):
                 self.memory.drop_recycled()  # nothing saves here any more: free its pages
+                self.memory.release()
             if self.nodes.count > 1:
                 self.world.all_gather(None)  # every rank's drain and replica is done
                 if self._server is not None:

@@ -3,9 +3,12 @@ save goes to, draining, retention per tier, and restoring from the nearest compl
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -479,3 +482,45 @@ def test_another_identity_in_the_same_run_is_never_loaded(tmp_path: Path, caplog
         assert Trainee().manager(spec).load() is None
     assert "holds only checkpoints of other job identities (ws2-0123456789abcdef" in caplog.text
     assert "which are never loaded" in caplog.text
+
+
+HOLDER = """
+import json, sys, time
+sys.path.insert(0, sys.argv[2])
+from tier_trainee import Trainee
+trainee = Trainee()
+mgr = trainee.manager(json.loads(sys.argv[1]))
+for step in (1, 2):
+    trainee.step(step)
+    mgr.save(step)  # memory at step 2
+print("saved", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_second_live_job_on_the_same_memory_folder_is_refused_and_loses_nothing(
+        tmp_path: Path) -> None:
+    """Two jobs of one identity (same storage.url, run id and world size) would each take
+    the other's memory checkpoints for an abandoned run's and replace them; the second is
+    refused at construction with the holder's pid, until the holder dies (SIGKILL: the
+    kernel drops its lock), and what the holder saved still loads bit for bit."""
+    spec = tiered(str(tmp_path / "durable"), durable={"every": 1000})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, json.dumps(spec), str(Path(__file__).parents[1])],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "saved\n"
+        with pytest.raises(StorageError) as refused:
+            trained(5).manager(spec)
+        text = str(refused.value)
+        assert "is in use by another live job on this node" in text
+        assert f'"pid": {holder.pid}' in text
+        assert "give this one its own storage.url" in text
+    finally:
+        holder.kill()
+        holder.wait()
+    restored = Trainee(seed=1)
+    with restored.manager(spec) as mgr:  # the holder is gone: its lock went with it
+        result = mgr.load()
+    assert result is not None and result.step == 2 and result.path.startswith("shm://")
+    assert_same_bits(restored.tensors(), trained(2).tensors())
