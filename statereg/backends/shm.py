@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ from typing import Any
 
 from statereg.backends.local import LocalBackend
 from statereg.errors import SpecError, StorageError
+
+logger = logging.getLogger("statereg")
 
 SHM_DIR_ENV = "STATEREG_SHM_DIR"
 NODE_ENV = "STATEREG_NODE"
@@ -155,7 +158,12 @@ class SharedMemoryBackend(LocalBackend):
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                raise StorageError(f"cannot lock {self.full_path(LOCK_NAME)}: {exc}") from exc
+                # A folder on a filesystem without record locks (ENOLCK): the tier works,
+                # only a second job would go unnoticed.
+                logger.warning("memory tier: cannot lock %s (%s); a second job saving into "
+                               "this folder would not be detected", self.full_path(LOCK_NAME),
+                               exc)
+                return
             raise StorageError(
                 f"{self.url} ({self.root}) is in use by another live job on this node "
                 f"({holder}): two jobs saving into one memory tier would delete and replace "

@@ -3,6 +3,7 @@ save goes to, draining, retention per tier, and restoring from the nearest compl
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -524,3 +525,19 @@ def test_a_second_live_job_on_the_same_memory_folder_is_refused_and_loses_nothin
         result = mgr.load()
     assert result is not None and result.step == 2 and result.path.startswith("shm://")
     assert_same_bits(restored.tensors(), trained(2).tensors())
+
+
+def test_a_folder_without_record_locks_still_works_and_says_a_second_job_goes_unnoticed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """ENOLCK (a filesystem without POSIX record locks, e.g. some network mounts) cannot be
+    produced on this machine's tmpfs, so the call is made to fail as it would there."""
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr("statereg.backends.shm.fcntl.lockf", no_locks)
+    with caplog.at_level(logging.WARNING, logger="statereg"):
+        mgr = run(tiered(str(tmp_path / "durable")), 2)
+    mgr.close()
+    assert "memory tier: cannot lock" in caplog.text
+    assert "a second job saving into this folder would not be detected" in caplog.text
+    assert [c.step for c in list_committed(open_backend(mgr._tiers.memory.url))] == [2]
