@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import io
@@ -340,10 +341,13 @@ class StorageBackend:
             if self._names_missing_bucket(exc):
                 raise self._missing_bucket(operation, path) from exc
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            hint = ("Check that the storage is reachable and the credentials in "
+                    "storage.options allow it")
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                hint = ("The filesystem (or your quota on it) is full: free space there, keep "
+                        "fewer checkpoints (keep_last), or save elsewhere")
             error, cause = StorageError(
-                f"{operation} failed for {self.display(path)}: {detail}. Check that the storage "
-                "is reachable and the credentials in storage.options allow it"
-            ), exc
+                f"{operation} failed for {self.display(path)}: {detail}. {hint}"), exc
         if self._secrets and _mentions(error, self._secrets):
             message = str(error)
             for secret in self._secrets:

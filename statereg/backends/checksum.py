@@ -215,4 +215,7 @@ class HashingWriter(io.RawIOBase):
         if not self.closed:
             self._on_done = None
             io.RawIOBase.close(self)
-            self._sink.close()
+            # Closing flushes what is buffered, which fails again on a full disk; the
+            # descriptor is closed all the same, and the writer's own error is the one to see.
+            with contextlib.suppress(OSError):
+                self._sink.close()

@@ -394,12 +394,19 @@ class LocalBackend(StorageBackend):
 
         def durable(stream: IO[bytes]) -> None:
             with self._storage_op("write", path):
-                stream.flush()
-                fd = stream.fileno()
-                end = os.lseek(fd, 0, os.SEEK_CUR)
-                if os.fstat(fd).st_size > end:  # written over a longer file (shm.py reuses them)
-                    os.ftruncate(fd, end)
-                os.fsync(fd)
+                try:
+                    stream.flush()
+                    fd = stream.fileno()
+                    end = os.lseek(fd, 0, os.SEEK_CUR)
+                    if os.fstat(fd).st_size > end:  # written over a longer file (shm.py)
+                        os.ftruncate(fd, end)
+                    os.fsync(fd)
+                except BaseException:
+                    # A failed write (a full disk or tmpfs) must not keep its descriptor:
+                    # an open file keeps its pages after it is deleted.
+                    with contextlib.suppress(OSError):
+                        stream.close()
+                    raise
                 stream.close()
                 _fsync_dir(os.path.dirname(full))
 

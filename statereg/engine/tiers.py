@@ -250,18 +250,33 @@ class TierEngine:
         return self._saver.save(plan, adapters, step, tokens_seen, extra, committed)
 
     def _drop_stale(self, step: int) -> None:
-        """Delete this node's memory checkpoints of `step` and later: the job is at `step`,
-        so they belong to a run it abandoned (it resumed from an older copy, e.g. after a
-        damaged memory file), and would refuse this save as already committed. The durable
-        tier is never touched. The save's first collective follows, so no rank of this node
-        writes before this is done."""
+        """Delete what no one will load from this node's memory folder:
+
+        - checkpoints of `step` and later: the job is at `step`, so they belong to a run it
+          abandoned (it resumed from an older copy, e.g. after a damaged memory file), and
+          would refuse this save as already committed;
+        - earlier checkpoint folders without a manifest: a memory save that failed (a full
+          tmpfs) or was killed left them, and their files hold tmpfs pages (RAM) that
+          retention, which sees committed checkpoints only, would never free.
+
+        Nothing else writes here now: the previous save, its sharing and retention are done
+        (save() waited), and the folder's lock keeps other jobs out. The durable tier is
+        never touched. The save's first collective follows, so no rank of this node writes
+        before this is done."""
         for entry in self.memory.list_dir(""):
             found = step_of(entry)
-            if found is not None and found >= step and entry != self._draining:
+            if found is None or entry == self._draining:
+                continue
+            if found >= step:
                 logger.warning("memory tier: removing %s, left by a run that went past step "
                                "%d before resuming from an earlier copy",
                                self.memory.display(entry), step)
-                self.memory.remove_tree(entry)
+            elif not self.memory.exists(f"{entry}/{MANIFEST_NAME}"):
+                logger.warning("memory tier: removing %s, left by a memory save that did not "
+                               "finish", self.memory.display(entry))
+            else:
+                continue
+            self.memory.remove_tree(entry)
 
     def _held(self) -> str | None:
         """The memory checkpoint the drain in flight reads (rank 0 knows), if any."""

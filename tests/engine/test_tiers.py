@@ -506,20 +506,19 @@ def test_a_second_live_job_on_the_same_memory_folder_is_refused_and_loses_nothin
     refused at construction with the holder's pid, until the holder dies (SIGKILL: the
     kernel drops its lock), and what the holder saved still loads bit for bit."""
     spec = tiered(str(tmp_path / "durable"), durable={"every": 1000})
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, json.dumps(spec), str(Path(__file__).parents[1])],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "saved\n"
-        with pytest.raises(StorageError) as refused:
-            trained(5).manager(spec)
-        text = str(refused.value)
-        assert "is in use by another live job on this node" in text
-        assert f'"pid": {holder.pid}' in text
-        assert "give this one its own storage.url" in text
-    finally:
-        holder.kill()
-        holder.wait()
+    with subprocess.Popen(
+            [sys.executable, "-c", HOLDER, json.dumps(spec), str(Path(__file__).parents[1])],
+            stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "saved\n"
+            with pytest.raises(StorageError) as refused:
+                trained(5).manager(spec)
+            text = str(refused.value)
+            assert "is in use by another live job on this node" in text
+            assert f'"pid": {holder.pid}' in text
+            assert "give this one its own storage.url" in text
+        finally:
+            holder.kill()
     restored = Trainee(seed=1)
     with restored.manager(spec) as mgr:  # the holder is gone: its lock went with it
         result = mgr.load()
@@ -541,3 +540,73 @@ def test_a_folder_without_record_locks_still_works_and_says_a_second_job_goes_un
     assert "memory tier: cannot lock" in caplog.text
     assert "a second job saving into this folder would not be detected" in caplog.text
     assert [c.step for c in list_committed(open_backend(mgr._tiers.memory.url))] == [2]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A real 128 MiB tmpfs as the shared-memory folder, where this user may mount one."""
+    folder = tmp_path / "small-tmpfs"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128M", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    monkeypatch.setenv("STATEREG_SHM_DIR", str(folder))
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def open_files_under(folder: Path) -> list[str]:
+    """The files under `folder` this process holds open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"{folder}/"):
+            found.append(Path(target).name)
+    return sorted(found)
+
+
+def test_a_full_tmpfs_fails_the_memory_save_clearly_and_the_next_save_frees_its_files(
+        tmp_path: Path, small_tmpfs: Path, caplog: Any) -> None:
+    """Another process fills the tmpfs between two saves: the memory save fails with what
+    to do (not the generic 'check the credentials') and closes its files, the next memory
+    save deletes them (retention sees committed checkpoints only, so they would hold RAM
+    for the rest of the job), and a save once there is room again loads bit for bit."""
+    trainee = Trainee(width=512, hidden=1024)  # ~6.3 MB with AdamW's moments
+    mgr = trainee.manager(tiered(str(tmp_path / "durable"), durable={"every": 1000}))
+    memory = mgr._tiers.memory
+    for step in (1, 2):
+        trainee.step(step)
+        mgr.save(step)  # memory at 2
+    hog = small_tmpfs / "hog"
+    with hog.open("wb") as stream, pytest.raises(OSError):
+        while True:
+            stream.write(bytes(1 << 20))
+    os.truncate(hog, hog.stat().st_size - (1 << 20))  # 1 MiB left: the save starts, then fails
+    trainee.step(3)
+    trainee.step(4)
+    with pytest.raises(StorageError) as full:
+        mgr.save(4)
+    assert ("No space left on device. The filesystem (or your quota on it) is full"
+            in str(full.value))
+    assert any(memory.walk("step_00000004"))  # what it wrote before the tmpfs ran out
+    # Its files are closed (the error still holds the frames that wrote them): an open
+    # file would keep its tmpfs pages after it is deleted.
+    assert open_files_under(small_tmpfs) == ["job.lock"]
+    hog.unlink()
+    for step in (5, 6):
+        trainee.step(step)
+        with caplog.at_level(logging.WARNING, logger="statereg"):
+            mgr.save(step)  # memory at 6
+    mgr.close()
+    assert "removing" in caplog.text and "step_00000004, left by a memory save that did not " \
+        "finish" in caplog.text
+    assert sorted(memory.list_dir("")) == sorted(
+        ["identity.json", "job.lock", "latest", "step_00000002", "step_00000006"])
+    restored = Trainee(width=512, hidden=1024, seed=1)
+    with restored.manager(tiered(str(tmp_path / "durable"), durable={"every": 1000})) as again:
+        assert again.load().step == 6
+    assert_same_bits(restored.tensors(), trainee.tensors())
