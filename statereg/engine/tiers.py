@@ -171,6 +171,7 @@ class TierEngine:
         self._drainer: ThreadPoolExecutor | None = None
         self._drain: Future[None] | None = None
         self._draining: str | None = None  # the memory checkpoint the drain reads
+        self._failed: int | None = None  # the step of the last memory save, if not committed
         self._drain_error: BaseException | None = None
         self.drained: list[str] = []  # checkpoints this process drained, in order
 
@@ -239,8 +240,10 @@ class TierEngine:
         if self.leads:
             self._join_retention()
             self._drop_stale(step)
+        self._failed = step  # until its commit says otherwise
 
         def committed(name: str) -> None:
+            self._failed = None
             held = self._share(name) if self.nodes.count > 1 else self._held()
             if self.leads:
                 self._retain_memory(name, held)
@@ -253,11 +256,13 @@ class TierEngine:
         """Delete what no one will load from this node's memory folder:
 
         - checkpoints of `step` and later: the job is at `step`, so they belong to a run it
-          abandoned (it resumed from an older copy, e.g. after a damaged memory file), and
-          would refuse this save as already committed;
-        - earlier checkpoint folders without a manifest: a memory save that failed (a full
-          tmpfs) or was killed left them, and their files hold tmpfs pages (RAM) that
-          retention, which sees committed checkpoints only, would never free.
+          abandoned (it resumed from an older copy, e.g. after a damaged memory file, or
+          was killed in a memory save), and would refuse this save as already committed;
+        - the folder of this process's previous memory save if that save failed before its
+          commit (a full tmpfs): its files hold tmpfs pages (RAM) that retention, which
+          sees committed checkpoints only, would never free. Only a save known to have
+          failed: on several nodes a committed step's files may lie in a node's folder
+          that did not receive the manifest, and those are still needed.
 
         Nothing else writes here now: the previous save, its sharing and retention are done
         (save() waited), and the folder's lock keeps other jobs out. The durable tier is
@@ -271,9 +276,9 @@ class TierEngine:
                 logger.warning("memory tier: removing %s, left by a run that went past step "
                                "%d before resuming from an earlier copy",
                                self.memory.display(entry), step)
-            elif not self.memory.exists(f"{entry}/{MANIFEST_NAME}"):
-                logger.warning("memory tier: removing %s, left by a memory save that did not "
-                               "finish", self.memory.display(entry))
+            elif found == self._failed and not self.memory.exists(f"{entry}/{MANIFEST_NAME}"):
+                logger.warning("memory tier: removing %s, left by its memory save, which "
+                               "failed", self.memory.display(entry))
             else:
                 continue
             self.memory.remove_tree(entry)
