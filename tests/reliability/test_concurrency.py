@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 import crash_driver
@@ -25,6 +26,24 @@ from statereg.engine.publish import commit as publish_commit
 from statereg.engine.verify import verify_files
 
 
+def collect(results: Any, count: int, children: list[Any], timeout: float = 120) -> list[Any]:
+    """`count` reports from `results`; fails at once when a child died before sending its
+    own (one that failed to import would otherwise cost the whole timeout)."""
+    reports: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(reports) < count:
+        try:
+            reports.append(results.get(timeout=1))
+        except queue.Empty:
+            dead = [c.exitcode for c in children if c.exitcode not in (None, 0)]
+            if dead:
+                pytest.fail(f"a saver exited with status {dead[0]} before reporting "
+                            f"({len(reports)} of {count} reports came)")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{len(reports)} of {count} reports came within {timeout} s")
+    return reports
+
+
 def run_savers(store, plans: list[tuple[list[int], int]]) -> list[tuple]:
     """Fork one saver per (steps, seed), released together by a barrier; their reports."""
     context = forkserver()
@@ -35,7 +54,12 @@ def run_savers(store, plans: list[tuple[list[int], int]]) -> list[tuple]:
                 for steps, seed in plans]
     for child in children:
         child.start()
-    reports = [results.get(timeout=120) for steps, _ in plans for _ in steps]
+    try:
+        reports = collect(results, sum(len(steps) for steps, _ in plans), children)
+    except BaseException:
+        for child in children:  # the others would wait at the barrier for a minute
+            child.kill()
+        raise
     for child in children:
         child.join(60)
         assert child.exitcode == 0
