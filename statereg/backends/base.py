@@ -344,8 +344,9 @@ class StorageBackend:
             hint = ("Check that the storage is reachable and the credentials in "
                     "storage.options allow it")
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                hint = ("The filesystem (or your quota on it) is full: free space there, keep "
-                        "fewer checkpoints (keep_last), or save elsewhere")
+                hint = ("The filesystem (or your quota on it) is full: free space there "
+                        "(`statereg gc ROOT` lists what failed saves left), keep fewer "
+                        "checkpoints (keep_last), or save elsewhere")
             error, cause = StorageError(
                 f"{operation} failed for {self.display(path)}: {detail}. {hint}"), exc
         if self._secrets and _mentions(error, self._secrets):
