@@ -131,8 +131,8 @@ class SharedMemoryBackend(LocalBackend):
                 folder = os.path.join(runs, job)
                 if folder != self.root and not self.root.startswith(folder + os.sep):
                     sizes[folder] = used_bytes(folder)
-        biggest = sorted((n, p) for p, n in sizes.items() if n)[::-1][:most]
-        return {p: n for n, p in biggest}
+        biggest = sorted(sizes.items(), key=lambda item: item[1], reverse=True)[:most]
+        return {folder: size for folder, size in biggest if size}
 
     # -- one live job per memory root --------------------------------------------------
 
@@ -147,7 +147,8 @@ class SharedMemoryBackend(LocalBackend):
         included), so a restarted trainer is never locked out by its dead predecessor, and
         it is not inherited by forked DataLoader workers that may outlive it for a moment.
         Within one process it does not conflict, so a manager built again in the same
-        process (a notebook cell run twice) is not refused.
+        process (a notebook cell run twice) is not refused; the lock belongs to the process,
+        so closing either manager lets go of it for both.
         """
         os.makedirs(self.root, exist_ok=True)
         fd = os.open(self.full_path(LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
