@@ -276,6 +276,9 @@ class StorageBackend:
     # crosses a network or a disk; false for host memory, which each rank reads faster than
     # gloo moves it.
     broadcast_reads: ClassVar[bool] = True
+    # What to check when the store says "permission denied" (EACCES, EPERM).
+    denied_hint: ClassVar[str] = ("Check that the storage is reachable and the credentials "
+                                  "in storage.options allow it")
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/") or url
@@ -343,10 +346,15 @@ class StorageBackend:
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             hint = ("Check that the storage is reachable and the credentials in "
                     "storage.options allow it")
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            code = exc.errno if isinstance(exc, OSError) else None
+            if code in (errno.ENOSPC, errno.EDQUOT):
                 hint = ("The filesystem (or your quota on it) is full: free space there "
                         "(`statereg gc ROOT` lists what failed saves left), keep fewer "
                         "checkpoints (keep_last), or save elsewhere")
+            elif code == errno.EROFS:
+                hint = "The filesystem is mounted read-only: save to a writable root"
+            elif code in (errno.EACCES, errno.EPERM):
+                hint = self.denied_hint
             error, cause = StorageError(
                 f"{operation} failed for {self.display(path)}: {detail}. {hint}"), exc
         if self._secrets and _mentions(error, self._secrets):

@@ -303,6 +303,7 @@ class LocalBackend(StorageBackend):
     schemes = ("", "file", "local")
     atomic_create = True  # link(2) fails if the name exists, on every POSIX filesystem
     probe_exclusive = False
+    denied_hint = "This user may not write there: check the folder's owner and permissions"
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         path = url[len("file://"):] if url.startswith("file://") else url

@@ -1,0 +1,86 @@
+"""A local root that refuses writes says why: a read-only filesystem or missing permission,
+not "check the credentials in storage.options" (which only means something for object
+stores), and what was saved before still loads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import statereg
+from statereg.errors import StorageError
+
+SPEC = {"components": {"model": {"kind": "model"}}}
+
+
+def manager(root: Path, model: torch.nn.Module) -> statereg.CheckpointManager:
+    return statereg.CheckpointManager({**SPEC, "storage": {"url": str(root)}}, model=model)
+
+
+@pytest.fixture
+def read_only_root(tmp_path: Path) -> Iterator[Path]:
+    """A real read-only filesystem (a tmpfs mounted ro), where this user may mount one."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs",
+                              str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_read_only_filesystem_is_named_as_such(read_only_root: Path) -> None:
+    with pytest.raises(StorageError) as refused:
+        manager(read_only_root / "ck", torch.nn.Linear(2, 2)).save(1)
+    text = str(refused.value)
+    assert "Read-only file system" in text
+    assert "The filesystem is mounted read-only: save to a writable root" in text
+    assert "credentials" not in text
+
+
+@pytest.fixture
+def unwritable(tmp_path: Path) -> Iterator[Path]:
+    """A folder this process may not write into: by its mode for a normal user; for root,
+    which ignores modes, by the immutable attribute (chattr +i), where the filesystem has it."""
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    yield folder
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+    folder.chmod(0o755)
+
+
+def forbid(folder: Path) -> None:
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return
+    done = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"root ignores modes, and chattr +i failed: {done.stderr.strip()}")
+
+
+def test_a_folder_this_user_may_not_write_says_to_check_permissions_and_keeps_the_last(
+        unwritable: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    mgr = manager(unwritable, model)
+    mgr.save(1)
+    saved = model.weight.detach().clone()
+    forbid(unwritable)
+    with torch.no_grad():
+        model.weight.add_(1)
+    with pytest.raises(StorageError) as refused:
+        mgr.save(2)
+    text = str(refused.value)
+    assert "This user may not write there: check the folder's owner and permissions" in text
+    assert "credentials" not in text
+    restored = torch.nn.Linear(4, 4)
+    result = manager(unwritable, restored).load()
+    assert result is not None and result.step == 1
+    assert torch.equal(restored.weight, saved)
