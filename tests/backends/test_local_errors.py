@@ -4,13 +4,13 @@ stores), and what was saved before still loads."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from unwritable import unwritable
 
 import statereg
 from statereg.errors import StorageError
@@ -44,43 +44,21 @@ def test_a_read_only_filesystem_is_named_as_such(read_only_root: Path) -> None:
     assert "credentials" not in text
 
 
-@pytest.fixture
-def unwritable(tmp_path: Path) -> Iterator[Path]:
-    """A folder this process may not write into: by its mode for a normal user; for root,
-    which ignores modes, by the immutable attribute (chattr +i), where the filesystem has it."""
-    folder = tmp_path / "ck"
-    folder.mkdir()
-    yield folder
-    if os.geteuid() == 0:
-        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
-    folder.chmod(0o755)
-
-
-def forbid(folder: Path) -> None:
-    if os.geteuid() != 0:
-        folder.chmod(0o555)
-        return
-    done = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"root ignores modes, and chattr +i failed: {done.stderr.strip()}")
-
-
 def test_a_folder_this_user_may_not_write_says_to_check_permissions_and_keeps_the_last(
-        unwritable: Path) -> None:
+        tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    mgr = manager(unwritable, model)
+    mgr = manager(tmp_path, model)
     mgr.save(1)
     saved = model.weight.detach().clone()
-    forbid(unwritable)
     with torch.no_grad():
         model.weight.add_(1)
-    with pytest.raises(StorageError) as refused:
+    with unwritable(tmp_path), pytest.raises(StorageError) as refused:
         mgr.save(2)
     text = str(refused.value)
     assert "This user may not write there: check the folder's owner and permissions" in text
     assert "credentials" not in text
     restored = torch.nn.Linear(4, 4)
-    result = manager(unwritable, restored).load()
+    result = manager(tmp_path, restored).load()
     assert result is not None and result.step == 1
     assert torch.equal(restored.weight, saved)

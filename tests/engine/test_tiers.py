@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from tier_trainee import Trainee
+from unwritable import unwritable
 
 import statereg
 from statereg.backends.registry import open_backend
@@ -27,7 +28,7 @@ from statereg.engine.checkpoints import list_committed
 from statereg.engine.tiers import Nodes, identity_folder, job_identity, run_id
 from statereg.engine.verify import verify_files
 from statereg.engine.world import World, WorldLayout
-from statereg.errors import SpecError, StorageError
+from statereg.errors import SpecError, StateregError, StorageError
 from tests.conftest import make_store
 
 COMPONENTS = {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}}
@@ -288,6 +289,45 @@ def test_drain_skip_policy_drops_a_due_drain_while_one_is_in_flight(tmp_path: Pa
     assert steps_in(durable) == [2, 8]
     assert steps_in(mgr._tiers.memory.url) == [6, 8]
     mgr.close()
+
+
+def test_a_failed_drain_is_logged_raised_by_wait_and_the_next_due_step_drains_again(
+        tmp_path: Path, caplog: Any) -> None:
+    """The durable root refuses writes for one drain (a real refusal: see unwritable.py):
+    the failure is logged at once, the next wait() raises it saying memory holds the
+    checkpoint, memory keeps it loadable, the durable root shows nothing of it, and the next
+    due step drains normally."""
+    durable = tmp_path / "durable"
+    trainee = Trainee()
+    mgr = trainee.manager(tiered(str(durable), durable={"every": 2}))
+    trainee.step(1), trainee.step(2)
+    mgr.save(2)
+    mgr.wait()
+    assert steps_in(str(durable)) == [2]
+    trainee.step(3), trainee.step(4)
+    with unwritable(durable), caplog.at_level(logging.ERROR, logger="statereg"):
+        mgr.save(4)
+        with pytest.raises(StateregError) as failed:
+            mgr.wait()
+    assert "draining shm://" in caplog.text and "step_00000004" in caplog.text
+    assert f"a drain to {durable} failed" in str(failed.value)
+    assert "the memory tier holds the checkpoint, the next due step drains again" in str(
+        failed.value)
+    assert steps_in(str(durable)) == [2]
+    assert not (durable / "step_00000004").exists()
+    memory = mgr._tiers.memory
+    assert steps_in_backend(memory) == [2, 4]
+    step_4 = list_committed(memory)[-1]
+    verify_files(memory, step_4.name, step_4.manifest.files, "full")  # intact, every byte
+    trainee.step(5), trainee.step(6)
+    mgr.save(6)
+    mgr.wait()
+    mgr.close()
+    assert steps_in(str(durable)) == [2, 6]
+    restored = Trainee(seed=1)
+    with restored.manager(tiered(str(durable), durable={"every": 2})) as again:
+        assert again.load(step=6) is not None  # the drained copy, from the durable root
+    assert_same_bits(restored.tensors(), trainee.tensors())
 
 
 def test_drain_wait_policy_blocks_the_next_due_drain_until_the_first_commits(
