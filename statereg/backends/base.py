@@ -244,6 +244,11 @@ class _RangeReads(PositionedReads):
         self._buffer_start, self._buffer = start, self._backend.read_range(self._path, start, end)
 
 
+# What a failed storage call most often needs, unless its error says otherwise.
+_CHECK_ACCESS = ("Check that the storage is reachable and the credentials in storage.options "
+                 "allow it")
+
+
 class StorageBackend:
     """One checkpoint root. Paths given to methods are relative to the root, '/'-separated.
 
@@ -277,8 +282,7 @@ class StorageBackend:
     # gloo moves it.
     broadcast_reads: ClassVar[bool] = True
     # What to check when the store says "permission denied" (EACCES, EPERM).
-    denied_hint: ClassVar[str] = ("Check that the storage is reachable and the credentials "
-                                  "in storage.options allow it")
+    denied_hint: ClassVar[str] = _CHECK_ACCESS
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/") or url
@@ -344,8 +348,7 @@ class StorageBackend:
             if self._names_missing_bucket(exc):
                 raise self._missing_bucket(operation, path) from exc
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            hint = ("Check that the storage is reachable and the credentials in "
-                    "storage.options allow it")
+            hint = _CHECK_ACCESS
             code = exc.errno if isinstance(exc, OSError) else None
             if code in (errno.ENOSPC, errno.EDQUOT):
                 hint = ("The filesystem (or your quota on it) is full: free space there "
