@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -44,6 +45,17 @@ RECYCLED = ".recycled"
 _OVERWRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 # The file a live job holds a lock on, in its memory root (`SharedMemoryBackend.hold`).
 LOCK_NAME = "job.lock"
+
+
+# Memory roots held by this process (`SharedMemoryBackend.hold`): record locks do not
+# conflict within a process, so a second open manager on one root is refused by this.
+_HOLDERS: dict[str, weakref.ref[SharedMemoryBackend]] = {}
+
+
+def _holder(root: str) -> SharedMemoryBackend | None:
+    ref = _HOLDERS.get(root)
+    backend = ref() if ref is not None else None
+    return backend if backend is not None and backend._held is not None else None
 
 
 def shm_dir() -> str:
@@ -146,11 +158,18 @@ class SharedMemoryBackend(LocalBackend):
         (fcntl) is dropped by the kernel when its process ends, however it ends (SIGKILL
         included), so a restarted trainer is never locked out by its dead predecessor, and
         it is not inherited by forked DataLoader workers that may outlive it for a moment.
-        Within one process it does not conflict, so a manager built again in the same
-        process (a notebook cell run twice) is not refused; the lock belongs to the process,
-        so closing either manager lets go of it for both.
+        Record locks do not conflict within one process, so the process also keeps a list
+        of the roots it holds (`_HOLDERS`): a second open manager in the same process (two
+        managers built from one declaration, a notebook cell run again while its first
+        manager is still open) is refused too, until the first is closed or collected.
         """
         os.makedirs(self.root, exist_ok=True)
+        if _holder(self.root) is not None:
+            gc.collect()  # a manager dropped without close() may wait in a reference cycle
+        if _holder(self.root) is not None:
+            raise StorageError(
+                f"{self.url} ({self.root}) is held by another open CheckpointManager in this "
+                "process: close() it first (or `with CheckpointManager(...)`)")
         fd = os.open(self.full_path(LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
                      | os.O_CLOEXEC, 0o644)
         try:
@@ -176,6 +195,7 @@ class SharedMemoryBackend(LocalBackend):
                                   "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
         # A manager dropped without close() lets go of the root when it is collected.
         self._held = weakref.finalize(self, os.close, fd)
+        _HOLDERS[self.root] = weakref.ref(self)
 
     def release(self) -> None:
         """Let another job use this root (closing the file drops the lock)."""

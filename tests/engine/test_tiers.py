@@ -654,3 +654,20 @@ def test_a_full_tmpfs_fails_the_memory_save_clearly_and_the_next_save_frees_its_
     with restored.manager(spec) as again:
         assert again.load().step == 6
     assert_same_bits(restored.tensors(), trainee.tensors())
+
+
+def test_a_second_open_manager_in_the_same_process_is_refused_until_the_first_is_closed(
+        tmp_path: Path) -> None:
+    """Record locks do not conflict within a process, so the process keeps its own list:
+    two open managers on one memory folder would replace each other's checkpoints as two
+    jobs would. A manager closed, or dropped without close(), lets go of the folder."""
+    spec = tiered(str(tmp_path / "durable"))
+    first = Trainee().manager(spec)
+    with pytest.raises(StorageError) as refused:
+        Trainee().manager(spec)
+    assert "is held by another open CheckpointManager in this process: close() it first" in str(
+        refused.value)
+    first.close()
+    second = Trainee().manager(spec)
+    del second  # dropped without close(): collected, and the folder with it
+    Trainee().manager(spec).close()
