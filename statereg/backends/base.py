@@ -168,10 +168,15 @@ class _BlockStream:
 
 
 class PositionedReads(io.RawIOBase):
-    """A read-only, seekable stream that keeps its own position (`_pos`); subclasses say how
-    big the file is (`_file_size`, for a seek from the end) and how to `readinto`."""
+    """A read-only, seekable stream of file `path` of `backend` that keeps its own position
+    (`_pos`); subclasses say how to `readinto`. Its size (for a seek from the end) is `size`
+    where the caller knows it, else asked of the backend once."""
 
     _pos = 0
+
+    def __init__(self, backend: StorageBackend, path: str, size: int | None = None) -> None:
+        super().__init__()
+        self._backend, self._path, self._size = backend, path, size
 
     def readable(self) -> bool:
         return True
@@ -183,7 +188,9 @@ class PositionedReads(io.RawIOBase):
         return self._pos
 
     def _file_size(self) -> int:
-        raise NotImplementedError
+        if self._size is None:
+            self._size = self._backend.size(self._path)
+        return self._size
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if whence == io.SEEK_END:
@@ -205,17 +212,10 @@ class _RangeReads(PositionedReads):
 
     def __init__(self, backend: StorageBackend, path: str, ranges: Sequence[tuple[int, int]],
                  size: int | None) -> None:
-        super().__init__()
-        self._backend, self._path, self._size = backend, path, size
+        super().__init__(backend, path, size)
         self._runs = sorted(ranges)
         self._starts = [start for start, _ in self._runs]
-        self._pos = 0
         self._buffer_start, self._buffer = 0, b""
-
-    def _file_size(self) -> int:
-        if self._size is None:
-            self._size = self._backend.size(self._path)
-        return self._size
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

@@ -198,8 +198,8 @@ class _DirectReads(PositionedReads):
 
     def __init__(self, backend: LocalBackend, path: str, fd: int,
                  ranges: Sequence[tuple[int, int]]) -> None:
-        super().__init__()
-        self._backend, self._path, self._fd = backend, path, fd
+        super().__init__(backend, path)
+        self._fd = fd
         self._direct = True
         order: list[int] = []
         for start, end in sorted(ranges):

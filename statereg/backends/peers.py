@@ -447,19 +447,14 @@ class _PeerReads(PositionedReads):
 
     def __init__(self, peer: PeerBackend, path: str,
                  runs: Sequence[tuple[int, int]] | None, size: int | None) -> None:
-        super().__init__()
-        self._peer, self._path, self._size = peer, path, size
+        super().__init__(peer, path, size)
+        self._peer = peer
         self._runs = sorted(runs) if runs is not None else None
         self._starts = [start for start, _ in self._runs or []]
         self._block_start, self._block = 0, memoryview(b"")
         self._connection: HTTPConnection | None = None
         self._response: HTTPResponse | None = None
         self._next = 0  # the file offset of the response's next byte
-
-    def _file_size(self) -> int:
-        if self._size is None:
-            self._size = self._peer.size(self._path)
-        return self._size
 
     def readinto(self, buffer: Any) -> int:
         """Fill `buffer` from the position: fewer bytes only where the file ends."""
