@@ -6,6 +6,8 @@ groups, one shared-memory folder per node ($STATEREG_NODE), peers reached over 1
   not one byte could come from it).
 - Without it, ranks read what their node lacks from the other node (rank 0's files live on
   node 0 only), and a lost node restores from storage.url.
+- While a live process holds one node's folder, a second job of the same identity is
+  refused on every rank at construction, and neither node's folder changes.
 - A job killed while a replica is being written (SIGKILL at a random replica copy, at its
   start or its end) resumes bit-identically from the newest copy the folders hold whole.
 """
@@ -17,6 +19,8 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -183,6 +187,60 @@ def test_without_replica_ranks_read_other_nodes_and_a_lost_node_uses_storage(
     run_ranks(4, peers_drill, tmp_path, shm, str(durable), tmp_path)
     log = (tmp_path / "log-0.txt").read_text()
     assert "step_00000004 skipped: " in log and "missing or of the wrong size on every node" in log
+
+
+def save_steps(rank: int, world: int, shm: Path, durable: str) -> None:
+    _on_node(rank, shm, per_node=1)
+    _train_and_save(rank, _spec(durable, replicate=False, drain_every=100))
+
+
+def refused_while_node1_is_held(rank: int, world: int, shm: Path, durable: str,
+                                holder: int) -> None:
+    """Another live process holds node 1's folder: both ranks are refused at construction
+    (node 1's leader by the lock, rank 0 by the agreement), and rank 0 lets go of node 0's."""
+    from statereg.backends import shm as shm_module
+    from statereg.errors import StateregError
+
+    _on_node(rank, shm, per_node=1)
+    with pytest.raises(StateregError) as refused:
+        Trainee(rank).manager(_spec(durable, replicate=False, drain_every=100))
+    if rank == 1:
+        assert "is in use by another live job on this node" in str(refused.value)
+        assert f'"pid": {holder}' in str(refused.value)
+    assert not any(shm_module._holder(root) for root in shm_module._HOLDERS)
+
+
+HOLD = """
+import fcntl, json, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.ftruncate(fd, 0)
+os.pwrite(fd, json.dumps({"pid": os.getpid()}).encode(), 0)  # as a live job's manager does
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_second_job_on_several_nodes_is_refused_on_every_rank_and_writes_nothing(
+        tmp_path: Path) -> None:
+    """Two 2-node jobs of one identity: while a live process holds node 1's memory folder,
+    the second job's construction fails on every rank, and neither node's folder changes."""
+    shm, durable = tmp_path / "shm", tmp_path / "durable"
+    shm.mkdir()
+    run_ranks(2, save_steps, tmp_path, shm, str(durable))
+    folders = {node: next((shm / "statereg" / node / "replica-drill").glob("ws2-*"))
+               for node in ("node0", "node1")}
+    before = {node: sorted(str(p) for p in folder.rglob("*")) for node, folder in folders.items()}
+    with subprocess.Popen([sys.executable, "-c", HOLD, str(folders["node1"] / "job.lock")],
+                          stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+            run_ranks(2, refused_while_node1_is_held, tmp_path, shm, str(durable),
+                      holder.pid)
+        finally:
+            holder.kill()
+    after = {node: sorted(str(p) for p in folder.rglob("*")) for node, folder in folders.items()}
+    assert after == before
 
 
 @pytest.mark.parametrize("replicate", [True, False])
