@@ -607,6 +607,16 @@ class NodeMemoryBackend(SharedMemoryBackend):
         peer = self._read_from(path)
         return super().size(path) if peer is None else peer.size(path)
 
+    def list_dir(self, path: str = "") -> list[str]:
+        """This node's entries under `path`, and those only peers hold (as `holders` says):
+        a layout that finds its files by listing (safetensors) finds them on a node that
+        lacks them, as `walk` does."""
+        names = set(super().list_dir(path))
+        prefix = f"{path}/" if path else ""
+        names.update(p[len(prefix):].split("/", 1)[0] for p, (_, nodes) in self.holders.items()
+                     if p.startswith(prefix) and nodes)
+        return sorted(names)
+
     def walk(self, path: str = "") -> list[StoredFile]:
         """This node's files under `path`, and those only peers hold (as `holders` says)."""
         here = super().walk(path)

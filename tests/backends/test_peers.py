@@ -93,12 +93,22 @@ def test_a_replica_that_does_not_match_its_manifest_is_never_installed(nodes) ->
     assert not folder.exists() or os.listdir(folder) == []  # no replica, no temporary
 
 
-def test_holders_show_peer_files_in_walk_so_verify_sees_them(nodes) -> None:
+def test_holders_show_peer_files_in_walk_and_listings_so_verify_and_layouts_see_them(
+        nodes) -> None:
     _, b, _ = nodes
     path = "step_00000001/model/data.bin"
-    assert b.walk("step_00000001") == []
-    b.holders = {path: (len(DATA), [0])}
-    assert [(f.path, f.size) for f in b.walk("step_00000001")] == [(path, len(DATA))]
+    b.write_bytes("step_00000001/own.bin", DATA)
+    assert [(f.path, f.size) for f in b.walk("step_00000001")] == [
+        ("step_00000001/own.bin", len(DATA))]
+    assert b.list_dir("step_00000001") == ["own.bin"]
+    b.holders = {path: (len(DATA), [0]), "step_00000002/model/x.bin": (1, [0]),
+                 "step_00000001/model/gone.bin": (1, [])}  # no node holds it
+    assert [(f.path, f.size) for f in b.walk("step_00000001")] == [
+        (path, len(DATA)), ("step_00000001/own.bin", len(DATA))]
+    # A layout that finds its files by listing (safetensors) finds the peer's file too.
+    assert b.list_dir("step_00000001") == ["model", "own.bin"]
+    assert b.list_dir("step_00000001/model") == ["data.bin"]
+    assert b.list_dir("") == ["step_00000001", "step_00000002"]
     hasher = new_hasher()
     hasher.update(DATA)
     # verify's fast mode checks sizes from walk(): the peer's file passes as present.
