@@ -9,7 +9,9 @@ memory tier keep_last + 1, so retention has retired a checkpoint whose pages sav
 - save into memory: with `save.async: thread`, the time save() takes at a memory step (the
   training stall) and until mgr.wait() returns (committed in memory); a synchronous memory
   save (both at once); all against a plain memory copy of the state (copy_ into
-  preallocated buffers); a local-disk save for scale.
+  preallocated buffers); a local-disk save for scale. Each timed save and copy follows one
+  untimed training step, as a save does in a loop (a copy timed after the previous save's
+  wait() instead, with the cores idle, took 1.3x longer here).
 - restore after a process crash: a new CheckpointManager (a restarted trainer; the tmpfs
   files outlive the process either way) loads from memory, against a load from local disk
   with the checkpoint's pages evicted (fsync, then posix_fadvise DONTNEED on every file) and
@@ -192,6 +194,14 @@ class Bench:
         self.nbytes = sum(t.nbytes for t in self.tensors)
         self.rows: dict[str, dict[str, Any]] = {}
         self.step = 0
+        width = self.model[0].in_features
+        self.batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(1))
+
+    def train_step(self) -> None:
+        """One forward, backward and AdamW step (it writes the whole state in place)."""
+        self.model(self.batch).square().mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def manager(self, spec: dict[str, Any], run: str) -> statereg.CheckpointManager:
         os.environ["STATEREG_RUN_ID"] = run
@@ -220,11 +230,11 @@ class Bench:
                 dst.copy_(src)
 
         copy()
-        self.rows["memory_copy"] = row(timed(copy, reps), self.nbytes)
+        self.rows["memory_copy"] = row(timed(copy, reps, self.train_step), self.nbytes)
         buffers.clear()
         with self.manager(tiered(str(self.work / "never-drained"), 1, NEVER), "save") as mgr:
             self.warm_up(mgr)
-            seconds = timed(lambda: mgr.save(self.next_step()), reps)
+            seconds = timed(lambda: mgr.save(self.next_step()), reps, self.train_step)
         self.rows["memory_save"] = row(seconds, self.nbytes)
         # save.async: thread: the loop waits for the staging copy; the write commits behind.
         spec = tiered(str(self.work / "never-drained-async"), 1, NEVER)
@@ -233,6 +243,7 @@ class Bench:
         with self.manager(spec, "save-async") as mgr:
             self.warm_up(mgr)
             for _ in range(reps):
+                self.train_step()
                 started = time.perf_counter()
                 mgr.save(self.next_step())
                 stalls.append(time.perf_counter() - started)
@@ -299,13 +310,14 @@ class Bench:
                 mgr.wait()
                 done = time.perf_counter()
                 name = f"step_{step:08d}"
+                # Untimed: no copy outlives its rep (moto keeps objects in memory), and the
+                # drain and the copy each start right after a delete of the same size.
+                open_backend(f"{url}/drained", options).remove_tree(name)
                 target = open_backend(f"{url}/copied-{rep}", options)
                 start = time.perf_counter()
                 copy_checkpoint(memory, name, target)
                 copied = time.perf_counter() - start
-                # Untimed: only one copy of each kind stays (moto keeps objects in memory).
                 target.remove_tree(name)
-                open_backend(f"{url}/drained", options).remove_tree(name)
                 if rep:
                     stalls.append(saved - started)
                     drains.append(done - saved)
@@ -319,14 +331,10 @@ class Bench:
 
     def train_rows(self) -> None:
         args = self.args
-        width = self.model[0].in_features
-        batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(1))
 
         def train(mgr: statereg.CheckpointManager | None, first: int) -> None:
             for step in range(first, first + args.steps):
-                self.model(batch).square().mean().backward()
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                self.train_step()
                 if mgr is not None:
                     mgr.save(step)  # saves to memory when step % every == 0
 
