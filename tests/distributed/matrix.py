@@ -91,9 +91,11 @@ def full(t: Any) -> Any:
 class Case:
     """One combination's declaration, objects and snapshot on this rank."""
 
-    def __init__(self, combo: tuple[str, str, str], root: Path, world: int) -> None:
+    def __init__(self, combo: tuple[str, str, str], root: Path | str, world: int,
+                 options: dict[str, Any] | None = None) -> None:
         self.kind, self.sharing, self.fmt = combo
-        self.url = str(root / "-".join(combo) / f"ws{world}")
+        self.url = f"{root}/{'-'.join(combo)}/ws{world}"
+        self.options = options or {}  # storage.options of a remote root
 
     def spec(self, url: str | None = None) -> dict[str, Any]:
         components = {"c": declaration(self.kind, self.sharing, self.fmt)}
@@ -101,7 +103,8 @@ class Case:
             components["m"] = {"kind": "model", "sharing": self.sharing, "format": "dcp",
                                **({"group": "pp"} if self.sharing == "per_group" else {})}
             components["c"]["model"] = "m"
-        return {"storage": {"url": url or self.url}, "components": components}
+        return {"storage": {"url": url or self.url, "options": self.options},
+                "components": components}
 
     def objects(self, seed: int) -> dict[str, Any]:
         if self.kind == "rng":
