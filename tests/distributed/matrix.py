@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+import statereg
 from statereg.schemas.spec import ComponentSpec, Format, Kind, Sharing
 
 ONE_COPY = {"global", "replicated", "sharded"}
@@ -162,3 +164,37 @@ def pipeline_groups(rank: int, world: int) -> dict[str, Any]:
             mine = group
     return {"pp": mine}
 
+
+# -- what every matrix pass does -----------------------------------------------------------
+
+
+def load_fresh(case: Case, spec: dict[str, Any], rank: int, groups: dict[str, Any],
+               seed: int = 1, **load: Any) -> tuple[statereg.LoadResult | None, bool]:
+    """Load `spec` into fresh objects on this rank: (the result, whether they now hold
+    exactly the values `seed` gave them)."""
+    saved = case.snapshot(case.objects(seed_for(seed, case.sharing, rank, groups)))
+    fresh = case.objects(seed_for(5000, case.sharing, rank, groups))
+    with statereg.CheckpointManager(spec, groups=groups, **fresh) as mgr:
+        result = mgr.load(**load)
+    return result, bitwise_equal(saved, case.snapshot(fresh))
+
+
+def on_rank_zero(rank: int, work: Callable[..., None], *args: Any) -> str | None:
+    """Run `work(*args)` on rank 0 only (a copy, a verify); every rank gets its error, if
+    any."""
+    error: list[str | None] = [None]
+    if rank == 0:
+        try:
+            work(*args)
+        except Exception as exc:
+            error = [f"{type(exc).__name__}: {exc}"]
+    dist.broadcast_object_list(error, 0)
+    return error[0]
+
+
+def assert_none_failed(failures: list[str], world: int) -> None:
+    """Every rank's failures, each once, fail every rank (collective)."""
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, failures)
+    problems = sorted({f for rank_failures in everyone for f in rank_failures})
+    assert not problems, f"{len(problems)} failures:\n" + "\n".join(problems)

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch.distributed as dist
 from harness import run_ranks
 from matrix import (
     ACCEPTED,
     ONE_COPY,
     REFUSED,
     Case,
-    bitwise_equal,
+    assert_none_failed,
     declaration,
+    load_fresh,
     pipeline_groups,
     seed_for,
 )
@@ -48,16 +47,6 @@ def test_every_combination_the_schema_refuses_is_a_spec_error_at_load_spec(
         assert len(str(info.value)) > 40, (kind, sharing, fmt, str(info.value))
 
 
-def _load_into(case: Case, url: str, world: int, rank: int, groups: dict[str, Any],
-               ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(what was saved here, what a fresh load gave), on this rank."""
-    saved = case.snapshot(case.objects(seed_for(1, case.sharing, rank, groups)))
-    fresh = case.objects(seed_for(5000, case.sharing, rank, groups))
-    with statereg.CheckpointManager(case.spec(url), groups=groups, **fresh) as mgr:
-        mgr.load()
-    return saved, case.snapshot(fresh)
-
-
 def conformance_pass(rank: int, world: int, root: Path, save: bool, load_from: list[int],
                      ) -> None:
     groups = pipeline_groups(rank, world)
@@ -79,13 +68,13 @@ def conformance_pass(rank: int, world: int, root: Path, save: bool, load_from: l
                     if extra or missing:
                         failures.append(f"{where}: files not predicted {extra}, predicted "
                                         f"but missing {missing}")
-                    saved, loaded = _load_into(case, case.url, world, rank, groups)
-                    if not bitwise_equal(saved, loaded):
+                    _, exact = load_fresh(case, case.spec(), rank, groups)
+                    if not exact:
                         failures.append(f"{where}: load is not bit-identical on rank {rank}")
                 for other in load_from:
                     url = str(root / "-".join(combo) / f"ws{other}")
                     try:
-                        saved, loaded = _load_into(case, url, world, rank, groups)
+                        _, exact = load_fresh(case, case.spec(url), rank, groups)
                     except statereg.StateregError as exc:
                         if combo[1] in ONE_COPY:
                             failures.append(f"{where} from {other}: refused ({exc})")
@@ -95,14 +84,11 @@ def conformance_pass(rank: int, world: int, root: Path, save: bool, load_from: l
                         if combo[1] not in ONE_COPY:
                             failures.append(f"{where} from {other}: loaded per-copy state "
                                             "saved at another world size")
-                        elif not bitwise_equal(saved, loaded):
+                        elif not exact:
                             failures.append(f"{where} from {other}: not bit-identical")
             except Exception as exc:  # every combination is reported, not just the first
                 failures.append(f"{where}: {type(exc).__name__}: {exc}")
-    everyone = [None] * world
-    dist.all_gather_object(everyone, failures)
-    problems = sorted({f for rank_failures in everyone for f in rank_failures})
-    assert not problems, f"{len(problems)} failures:\n" + "\n".join(problems)
+    assert_none_failed(failures, world)
 
 
 def test_every_accepted_combination_round_trips_at_world_sizes_1_2_4(

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch.distributed as dist
 from harness import run_ranks
-from matrix import ACCEPTED, Case, bitwise_equal, pipeline_groups, seed_for
+from matrix import (
+    ACCEPTED,
+    Case,
+    assert_none_failed,
+    load_fresh,
+    on_rank_zero,
+    pipeline_groups,
+    seed_for,
+)
 
 import statereg
 from statereg.backends.codec import CompressionSettings
@@ -27,17 +33,9 @@ RECOMPRESS: dict[str, Recompress] = {
     "zstd-plain": CompressionSettings(level=3, float_aware=False)}
 
 
-def _copy(rank: int, url: str, target: str, recompress: Recompress) -> str | None:
-    """Rank 0 copies step 1 and verifies the copy; every rank gets its error, if any."""
-    error: list[str | None] = [None]
-    if rank == 0:
-        try:
-            copy_checkpoint(open_backend(url), "step_00000001", open_backend(target), recompress)
-            statereg.verify(f"{target}/step_00000001")
-        except Exception as exc:
-            error = [f"{type(exc).__name__}: {exc}"]
-    dist.broadcast_object_list(error, 0)
-    return error[0]
+def _copy(url: str, target: str, recompress: Recompress) -> None:
+    copy_checkpoint(open_backend(url), "step_00000001", open_backend(target), recompress)
+    statereg.verify(f"{target}/step_00000001")
 
 
 def copy_pass(rank: int, world: int, root: Path, compressed: bool) -> None:
@@ -57,23 +55,15 @@ def copy_pass(rank: int, world: int, root: Path, compressed: bool) -> None:
                     mgr.save(step=1)
                 for mode, recompress in RECOMPRESS.items():
                     target = f"{case.url}-cp-{mode}"
-                    error = _copy(rank, case.url, target, recompress)
+                    error = on_rank_zero(rank, _copy, case.url, target, recompress)
                     if error is not None:
                         failures.append(f"{where}, cp {mode}: {error}")
                         continue
-                    saved = case.snapshot(case.objects(seed_for(1, case.sharing, rank, groups)))
-                    fresh = case.objects(seed_for(5000, case.sharing, rank, groups))
-                    with statereg.CheckpointManager(case.spec(target), groups=groups,
-                                                    **fresh) as mgr:
-                        mgr.load()
-                    if not bitwise_equal(saved, case.snapshot(fresh)):
+                    if not load_fresh(case, case.spec(target), rank, groups)[1]:
                         failures.append(f"{where}, cp {mode}: not bit-identical on rank {rank}")
             except Exception as exc:  # every combination is reported, not just the first
                 failures.append(f"{where}: {type(exc).__name__}: {exc}")
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, failures)
-    problems = sorted({f for rank_failures in everyone for f in rank_failures})
-    assert not problems, f"{len(problems)} failures:\n" + "\n".join(problems)
+    assert_none_failed(failures, world)
 
 
 @pytest.mark.parametrize(("world", "compressed"), [(1, False), (2, True)])

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
 
-import torch.distributed as dist
 from harness import run_ranks
-from matrix import ACCEPTED, Case, bitwise_equal, pipeline_groups, seed_for
+from matrix import (
+    ACCEPTED,
+    Case,
+    assert_none_failed,
+    load_fresh,
+    on_rank_zero,
+    pipeline_groups,
+    seed_for,
+)
 
 import statereg
 from statereg.backends.registry import open_backend
@@ -24,28 +30,11 @@ WORLD = 2
 STEPS = ((1, 1), (2, 1), (3, 1), (4, 2))  # (step, seed of the values it saves)
 
 
-def _loads_exactly(case: Case, url: str, rank: int, groups: dict[str, Any], seed: int,
-                   step: int) -> bool:
-    saved = case.snapshot(case.objects(seed_for(seed, case.sharing, rank, groups)))
-    fresh = case.objects(seed_for(5000, case.sharing, rank, groups))
-    with statereg.CheckpointManager(case.spec(url), groups=groups, **fresh) as mgr:
-        mgr.load(step=step)
-    return bitwise_equal(saved, case.snapshot(fresh))
-
-
-def _copy(rank: int, url: str, target: str) -> str | None:
-    """Rank 0 copies step 3 and verifies the copy; every rank gets its error, if any."""
-    error: list[str | None] = [None]
-    if rank == 0:
-        try:
-            copy_checkpoint(open_backend(url), "step_00000003", open_backend(target))
-            if statereg.read_manifest(f"{target}/step_00000003").references:
-                raise AssertionError("the copy references files outside itself")
-            statereg.verify(f"{target}/step_00000003")
-        except Exception as exc:
-            error = [f"{type(exc).__name__}: {exc}"]
-    dist.broadcast_object_list(error, 0)
-    return error[0]
+def _copy(url: str, target: str) -> None:
+    copy_checkpoint(open_backend(url), "step_00000003", open_backend(target))
+    if statereg.read_manifest(f"{target}/step_00000003").references:
+        raise AssertionError("the copy references files outside itself")
+    statereg.verify(f"{target}/step_00000003")
 
 
 def incremental_pass(rank: int, world: int, root: Path) -> None:
@@ -68,19 +57,16 @@ def incremental_pass(rank: int, world: int, root: Path) -> None:
                                                  for r in references):
                     failures.append(f"{where}: step 3 references none of step 1's files")
                 for step, seed in STEPS[2:]:
-                    if not _loads_exactly(case, case.url, rank, groups, seed, step):
+                    if not load_fresh(case, spec, rank, groups, seed, step=step)[1]:
                         failures.append(f"{where}: step {step} is not bit-identical")
-                error = _copy(rank, case.url, f"{case.url}-cp")
+                error = on_rank_zero(rank, _copy, case.url, f"{case.url}-cp")
                 if error is not None:
                     failures.append(f"{where}, cp: {error}")
-                elif not _loads_exactly(case, f"{case.url}-cp", rank, groups, 1, 3):
+                elif not load_fresh(case, case.spec(f"{case.url}-cp"), rank, groups)[1]:
                     failures.append(f"{where}: the copy of step 3 is not bit-identical")
             except Exception as exc:  # every combination is reported, not just the first
                 failures.append(f"{where}: {type(exc).__name__}: {exc}")
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, failures)
-    problems = sorted({f for rank_failures in everyone for f in rank_failures})
-    assert not problems, f"{len(problems)} failures:\n" + "\n".join(problems)
+    assert_none_failed(failures, world)
 
 
 def test_every_accepted_combination_saves_incrementally_through_retention_and_cp(

@@ -13,9 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from harness import run_ranks
-from matrix import ACCEPTED, Case, bitwise_equal, pipeline_groups, seed_for
+from matrix import ACCEPTED, Case, assert_none_failed, load_fresh, pipeline_groups, seed_for
 
 import statereg
 from statereg.engine.plan import unpredicted
@@ -41,18 +40,11 @@ def store_pass(rank: int, world: int, url: str, options: dict[str, Any]) -> None
                 if extra or missing:
                     failures.append(f"{where}: files not predicted {extra}, predicted but "
                                     f"missing {missing}")
-                saved = case.snapshot(case.objects(seed_for(1, case.sharing, rank, groups)))
-                fresh = case.objects(seed_for(5000, case.sharing, rank, groups))
-                with statereg.CheckpointManager(case.spec(), groups=groups, **fresh) as mgr:
-                    mgr.load()
-                if not bitwise_equal(saved, case.snapshot(fresh)):
+                if not load_fresh(case, case.spec(), rank, groups)[1]:
                     failures.append(f"{where}: load is not bit-identical on rank {rank}")
             except Exception as exc:  # every combination is reported, not just the first
                 failures.append(f"{where}: {type(exc).__name__}: {exc}")
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, failures)
-    problems = sorted({f for rank_failures in everyone for f in rank_failures})
-    assert not problems, f"{len(problems)} failures:\n" + "\n".join(problems)
+    assert_none_failed(failures, world)
 
 
 def test_every_accepted_combination_round_trips_on_each_remote_store(

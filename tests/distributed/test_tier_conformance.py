@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
-from matrix import ACCEPTED, Case, bitwise_equal, pipeline_groups, seed_for
+from matrix import ACCEPTED, Case, assert_none_failed, load_fresh, pipeline_groups, seed_for
 from torch import nn
 
 import statereg
@@ -53,16 +53,6 @@ def _tiered(case: Case, name: str, replicate: bool, settings: dict[str, Any],
         memory["replicate"] = {"to": "next_node"}
     spec["tiers"] = {"memory": memory, "durable": {"every": 1}}
     return spec
-
-
-def _load(case: Case, spec: dict[str, Any], rank: int, groups: dict[str, Any],
-          ) -> tuple[statereg.LoadResult | None, bool]:
-    """(the load's result, whether every value came back bit for bit), on this rank."""
-    saved = case.snapshot(case.objects(seed_for(1, case.sharing, rank, groups)))
-    fresh = case.objects(seed_for(5000, case.sharing, rank, groups))
-    with statereg.CheckpointManager(spec, groups=groups, **fresh) as mgr:
-        result = mgr.load()
-    return result, bitwise_equal(saved, case.snapshot(fresh))
 
 
 def _forget(rank: int, shm: Path, name: str, nodes: list[int]) -> None:
@@ -122,7 +112,7 @@ def tier_pass(rank: int, world: int, root: Path, shm: Path, per_node: int,
                 for tier, declared, prefix, lost in steps:
                     if lost:
                         _forget(rank, shm, name, lost)
-                    result, exact = _load(case, declared, rank, groups)
+                    result, exact = load_fresh(case, declared, rank, groups)
                     if result is None or result.step != 1 or \
                             not result.path.startswith(prefix):
                         failures.append(f"{where}: the restore from {tier} came from "
@@ -132,10 +122,7 @@ def tier_pass(rank: int, world: int, root: Path, shm: Path, per_node: int,
                                         f"bit-identical on rank {rank}")
             except Exception as exc:  # every combination is reported, not just the first
                 failures.append(f"{where}, {tier}: {type(exc).__name__}: {exc}")
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, failures)
-    problems = sorted({f for rank_failures in everyone for f in rank_failures})
-    assert not problems, f"{len(problems)} failures:\n" + "\n".join(problems)
+    assert_none_failed(failures, world)
 
 
 @pytest.mark.parametrize(("world", "per_node", "replicate"), TOPOLOGIES)
