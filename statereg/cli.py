@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from statereg.errors import SpecError, StateregError, StorageError
+from statereg.errors import CheckpointNotFoundError, SpecError, StateregError, StorageError
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -30,17 +30,15 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 def _checkpoint_url(text: str) -> str:
     """A checkpoint argument: a local path made absolute, so that its last segment names the
     checkpoint directory ('.' inside one works); a URL as given. One that names no directory
-    ('/', 's3://') is refused: it would read manifest.json from the current directory."""
-    if "://" in text:
-        url, segment = text, text.partition("://")[2].rstrip("/").rpartition("/")[2]
-    else:
-        url = os.path.abspath(text)
-        segment = url.rpartition("/")[2]
-    if segment in ("", ".", ".."):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} names no checkpoint directory; give one, e.g. "
-            "./checkpoints/step_00000100 or s3://bucket/run/step_00000100"
-        )
+    ('/', 's3://': it would read manifest.json from the current directory) or a store's top
+    ('shm://run7') is refused, as `split_checkpoint_url` refuses it."""
+    from statereg.engine.inspect import split_checkpoint_url
+
+    url = text if "://" in text else os.path.abspath(text)
+    try:
+        split_checkpoint_url(url)
+    except CheckpointNotFoundError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return url
 
 
@@ -159,7 +157,7 @@ def cmd_ls(args: argparse.Namespace) -> None:
         return
     committed = list_committed(backend)
     if not committed:
-        print(f"no committed checkpoints in {backend.url}")
+        print(f"no committed checkpoints in {backend.url}{_identity_hint(backend.url)}")
         return
     latest = read_latest(backend)
     rows = [("checkpoint", "step", "tokens", "size", "created", "extra")]
@@ -170,6 +168,22 @@ def cmd_ls(args: argparse.Namespace) -> None:
         rows.append((c.name + mark, str(m.step), tokens, format_bytes(m.total_bytes),
                      m.created_at, json.dumps(m.extra)))
     print("\n".join(format_table(rows)))
+
+
+def _identity_hint(url: str) -> str:
+    """For a memory tier's run folder (shm://NAME), which holds one folder per job identity
+    and no checkpoint itself: the identity folders to list instead."""
+    if not url.startswith("shm://"):
+        return ""
+    from statereg.engine.tier_report import memory_roots
+
+    roots = [r.url for r in memory_roots(url) if r.url != url]
+    if not roots:
+        return ""
+    return (f"; it holds the memory checkpoints of {len(roots)} job identit"
+            f"{'y' if len(roots) == 1 else 'ies'}: list one with `statereg ls "
+            f"{roots[0]}`{' (or ' + ', '.join(roots[1:]) + ')' if roots[1:] else ''}, or "
+            "every tier with `statereg ls --spec SPEC ROOT`")
 
 
 def _memory_url(args: argparse.Namespace) -> str | None:
@@ -201,7 +215,6 @@ def _root(args: argparse.Namespace) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     from statereg.engine.inspect import describe, read_manifest
-    from statereg.errors import CheckpointNotFoundError
 
     try:
         manifest = read_manifest(args.url, _options(args))

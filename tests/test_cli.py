@@ -347,6 +347,19 @@ def test_a_url_naming_no_checkpoint_is_refused_not_read_from_the_current_directo
     assert f"ok: {committed / 'step_00000010'}: " in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("url", ["shm://run7", "s3://bucket/", "gs://bucket"])
+def test_a_root_at_the_top_of_a_store_is_refused_as_no_checkpoint(
+        url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`verify shm://run7` once opened 'shm://' and said a shm:// url needs a NAME."""
+    with pytest.raises(SystemExit) as info:
+        main(["verify", url])
+    assert info.value.code == 2
+    trimmed = url.rstrip("/")
+    assert (f"{url!r} is a root, not a checkpoint directory in it; give one, e.g. "
+            f"{trimmed}/step_00000100 (`statereg ls {trimmed}` lists them)"
+            ) in capsys.readouterr().err
+
+
 def test_ls_without_root_lists_the_spec_storage_url(
     committed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -531,6 +544,16 @@ def test_ls_with_tiers_shows_where_each_step_lives_without_torch(
     assert f"--memory {str(memory)!r}: give a shm://NAME URL" in capsys.readouterr().err
     assert main(["ls", str(durable)]) == 0  # no tiers named: the listing of before tiers
     assert "step_00000020 (latest)" in capsys.readouterr().out
+    # The run's folder holds identity folders, not checkpoints: ls says which to list.
+    assert main(["ls", "shm://lsrun"]) == 0
+    assert capsys.readouterr().out == (
+        "no committed checkpoints in shm://lsrun; it holds the memory checkpoints of 1 job "
+        f"identity: list one with `statereg ls shm://lsrun/{memory.name}`, or every tier "
+        "with `statereg ls --spec SPEC ROOT`\n")
+    assert main(["ls", f"shm://lsrun/{memory.name}"]) == 0
+    assert "step_00000020 " in capsys.readouterr().out
+    assert main(["verify", f"shm://lsrun/{memory.name}/step_00000020"]) == 0
+    assert "ok: shm://lsrun/" in capsys.readouterr().out
 
 
 def test_plan_counts_the_peer_replica_when_one_is_declared(

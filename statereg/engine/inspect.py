@@ -28,6 +28,11 @@ def split_checkpoint_url(url: str) -> tuple[str, str]:
             "./checkpoints/step_00000100 or s3://bucket/run/step_00000100"
         )
     if root.endswith(":/"):  # 'memory://step_x': the root is the scheme's top
+        if root != "memory:/":  # 's3://bucket', 'shm://run7': a root, not a checkpoint
+            raise CheckpointNotFoundError(
+                f"{url!r} is a root, not a checkpoint directory in it; give one, e.g. "
+                f"{trimmed}/step_00000100 (`statereg ls {trimmed}` lists them)"
+            )
         root += "/"
     return root or "/", name
 
