@@ -180,10 +180,11 @@ def _identity_hint(url: str) -> str:
     roots = [r.url for r in memory_roots(url) if r.url != url]
     if not roots:
         return ""
-    return (f"; it holds the memory checkpoints of {len(roots)} job identit"
-            f"{'y' if len(roots) == 1 else 'ies'}: list one with `statereg ls "
-            f"{roots[0]}`{' (or ' + ', '.join(roots[1:]) + ')' if roots[1:] else ''}, or "
-            "every tier with `statereg ls --spec SPEC ROOT`")
+    noun = "identity" if len(roots) == 1 else "identities"
+    others = f" (or {', '.join(roots[1:])})" if roots[1:] else ""
+    return (f"; it holds the memory checkpoints of {len(roots)} job {noun}: list one with "
+            f"`statereg ls {roots[0]}`{others}, or every tier with `statereg ls --spec SPEC "
+            "ROOT`")
 
 
 def _memory_url(args: argparse.Namespace) -> str | None:
