@@ -168,6 +168,24 @@ def pipeline_groups(rank: int, world: int) -> dict[str, Any]:
 # -- what every matrix pass does -----------------------------------------------------------
 
 
+def change_in_place(objects: dict[str, Any]) -> None:
+    """Change every value a save captured, in place where it can be (after `save()` returns,
+    as a training step does): what was saved must not change with it."""
+    with torch.no_grad():
+        for obj in objects.values():
+            if isinstance(obj, nn.Module):
+                for tensor in obj.state_dict().values():
+                    tensor.add_(1)
+            elif isinstance(obj, torch.optim.Optimizer):
+                for entries in obj.state.values():
+                    for tensor in entries.values():
+                        tensor.add_(1)
+            else:
+                obj.state["w"].add_(1)
+                obj.state["n"] += 1
+    torch.rand(7)  # the global generator moves on
+
+
 def load_fresh(case: Case, spec: dict[str, Any], rank: int, groups: dict[str, Any],
                seed: int = 1, **load: Any) -> tuple[statereg.LoadResult | None, bool]:
     """Load `spec` into fresh objects on this rank: (the result, whether they now hold

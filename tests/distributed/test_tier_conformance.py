@@ -31,11 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 from harness import run_ranks
-from matrix import ACCEPTED, Case, assert_none_failed, load_fresh, pipeline_groups, seed_for
-from torch import nn
+from matrix import (
+    ACCEPTED,
+    Case,
+    assert_none_failed,
+    change_in_place,
+    load_fresh,
+    pipeline_groups,
+    seed_for,
+)
 
 import statereg
 
@@ -64,24 +70,6 @@ def _forget(rank: int, shm: Path, name: str, nodes: list[int]) -> None:
     dist.barrier()
 
 
-def _change(objects: dict[str, Any]) -> None:
-    """Change every value a save captured, in place where it can be (after `save()` returns,
-    as a training step does): what was saved must not change with it."""
-    with torch.no_grad():
-        for obj in objects.values():
-            if isinstance(obj, nn.Module):
-                for tensor in obj.state_dict().values():
-                    tensor.add_(1)
-            elif isinstance(obj, torch.optim.Optimizer):
-                for entries in obj.state.values():
-                    for tensor in entries.values():
-                        tensor.add_(1)
-            else:
-                obj.state["w"].add_(1)
-                obj.state["n"] += 1
-    torch.rand(7)  # the global generator moves on
-
-
 def tier_pass(rank: int, world: int, root: Path, shm: Path, per_node: int,
               replicate: bool, settings: dict[str, Any]) -> None:
     nodes = world // per_node
@@ -102,7 +90,7 @@ def tier_pass(rank: int, world: int, root: Path, shm: Path, per_node: int,
                 objects = case.objects(seed_for(1, case.sharing, rank, groups))
                 with statereg.CheckpointManager(spec, groups=groups, **objects) as mgr:
                     mgr.save(step=1).wait_staged()
-                    _change(objects)  # close() waits for the save and the drain
+                    change_in_place(objects)  # close() waits for the save and the drain
                 steps: list[tuple[str, dict[str, Any], str, list[int]]] = [
                     ("memory", spec, "shm://", [])]
                 if replicate:
