@@ -38,6 +38,7 @@ from statereg.errors import (
 from statereg.interop import ForeignKind, detect_foreign, load_foreign
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.factory import build_adapters, check_objects
+from statereg.state.model import ModelAdapter
 from statereg.state.protocols import TensorState
 
 logger = logging.getLogger("statereg")
@@ -54,12 +55,22 @@ class CheckpointInfo:
     components: tuple[str, ...]
 
 
-def _lint(spec: RegistrySpec, adapters: dict[str, Any]) -> None:
+def _lint(spec: RegistrySpec, adapters: dict[str, Any], rank: int) -> None:
     """Refuse, before any collective, a live object whose layout contradicts its declaration
-    (tensors sharded across ranks in a component declared as one copy)."""
+    (tensors sharded across ranks in a component declared as one copy); say once (rank 0)
+    which buffers a `trainable_only` model leaves out of its checkpoints."""
     for name, adapter in adapters.items():
         if isinstance(adapter, TensorState):
             check_live_sharing(name, spec.components[name], adapter.sharded_keys())
+        left_out = adapter.unsaved_buffers() if isinstance(adapter, ModelAdapter) else []
+        if left_out and rank == 0:
+            more = f" and {len(left_out) - 3} more" if len(left_out) > 3 else ""
+            logger.warning(
+                "component %r (trainable_only): its %d buffer(s) (%s%s) are not saved, and a "
+                "load leaves them as the model holds them. If training changes them "
+                "(BatchNorm's running statistics in train mode), a resume is not exact: keep "
+                "those layers in eval mode, or declare trainable_only: false",
+                name, len(left_out), ", ".join(left_out[:3]), more)
 
 
 class CheckpointManager:
@@ -77,7 +88,7 @@ class CheckpointManager:
         self.world = World.detect(groups)
         self._objects = dict(objects)
         self._adapters = build_adapters(self.spec, self._objects)
-        _lint(self.spec, self._adapters)
+        _lint(self.spec, self._adapters, self.world.rank)
         self._backend = open_backend(self.spec.storage.url, self.spec.storage.options)
         self.plan: RankPlan = compile_plan(self.spec, self.world.layout, self._backend.url)
         self._pending: dict[str, Any] = {}
@@ -306,7 +317,8 @@ class CheckpointManager:
         check_objects(self.spec, objects, initial=False)
         self._objects.update(objects)
         self._adapters = build_adapters(self.spec, self._objects)
-        _lint(self.spec, {n: a for n, a in self._adapters.items() if n in objects})
+        _lint(self.spec, {n: a for n, a in self._adapters.items() if n in objects},
+              self.world.rank)
         for name in objects:
             if name in self._pending:
                 adapter = self._adapters[name]

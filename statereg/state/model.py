@@ -70,6 +70,17 @@ class ModelAdapter:
         # Adapters / LoRA: only parameters with requires_grad are saved and loaded.
         self.trainable_only = trainable_only
 
+    def unsaved_buffers(self) -> list[str]:
+        """The buffers a `trainable_only` component leaves out of its checkpoints (none
+        otherwise): a buffer that training changes (BatchNorm's running statistics in train
+        mode) would not come back on a resume."""
+        if not self.trainable_only:
+            return []
+        module = self.live_module
+        buffers = {id(b) for b in module.buffers()}
+        identities = _identities(module)
+        return [k for k in module.state_dict() if identities.get(k) in buffers]
+
     @property
     def live_module(self) -> nn.Module:
         return unwrap_module(self.module)

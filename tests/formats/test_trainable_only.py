@@ -70,3 +70,26 @@ def test_an_adapter_checkpoint_into_a_full_declaration_names_the_missing_base(tm
     statereg.CheckpointManager(_spec(tmp_path, "dcp", True), model=model).save(step=1)
     with pytest.raises(statereg.CheckpointMismatchError, match=r"base\.weight"):
         statereg.CheckpointManager(_spec(tmp_path, "dcp", False), model=_model(2, 3)).load()
+
+
+def test_buffers_left_out_are_named_once_at_construction(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """BatchNorm's running statistics change in train mode even under a frozen base; an
+    adapter checkpoint leaves them out, so the manager says so (and nothing when there are
+    none)."""
+    model = nn.Sequential(_model(0, 1), nn.BatchNorm1d(400))
+    with caplog.at_level("WARNING", logger="statereg"):
+        mgr = statereg.CheckpointManager(_spec(tmp_path, "dcp", True), model=model)
+        mgr.save(step=1)
+    warned = [r.getMessage() for r in caplog.records if "trainable_only" in r.getMessage()]
+    assert warned == [
+        "component 'model' (trainable_only): its 3 buffer(s) (1.running_mean, 1.running_var, "
+        "1.num_batches_tracked) are not saved, and a load leaves them as the model holds them. "
+        "If training changes them (BatchNorm's running statistics in train mode), a resume is "
+        "not exact: keep those layers in eval mode, or declare trainable_only: false"]
+    stored = statereg.read_manifest(f"{tmp_path}/step_00000001").components["model"]
+    assert stored.tensors == 4  # lora_a, lora_b and BatchNorm's weight and bias
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="statereg"):
+        statereg.CheckpointManager(_spec(tmp_path / "plain", "dcp", True), model=_model(0, 1))
+    assert not [r for r in caplog.records if "trainable_only" in r.getMessage()]
