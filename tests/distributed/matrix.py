@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, get_args
 
@@ -187,10 +188,14 @@ def change_in_place(objects: dict[str, Any]) -> None:
 
 
 def load_fresh(case: Case, spec: dict[str, Any], rank: int, groups: dict[str, Any],
-               seed: int = 1, **load: Any) -> tuple[statereg.LoadResult | None, bool]:
+               seed: int = 1, changes: int = 0, **load: Any,
+               ) -> tuple[statereg.LoadResult | None, bool]:
     """Load `spec` into fresh objects on this rank: (the result, whether they now hold
-    exactly the values `seed` gave them)."""
-    saved = case.snapshot(case.objects(seed_for(seed, case.sharing, rank, groups)))
+    exactly the values `seed` gave them, changed `changes` times by change_in_place)."""
+    expected = case.objects(seed_for(seed, case.sharing, rank, groups))
+    for _ in range(changes):
+        change_in_place(expected)
+    saved = case.snapshot(expected)
     fresh = case.objects(seed_for(5000, case.sharing, rank, groups))
     with statereg.CheckpointManager(spec, groups=groups, **fresh) as mgr:
         result = mgr.load(**load)
@@ -208,6 +213,18 @@ def on_rank_zero(rank: int, work: Callable[..., None], *args: Any) -> str | None
             error = [f"{type(exc).__name__}: {exc}"]
     dist.broadcast_object_list(error, 0)
     return error[0]
+
+
+@contextmanager
+def reported(failures: list[str], where: str) -> Iterator[None]:
+    """One combination's checks: UserWarnings silenced, and an exception recorded among
+    `failures` instead of raised, so every combination is reported, not just the first."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            yield
+        except Exception as exc:
+            failures.append(f"{where}: {type(exc).__name__}: {exc}")
 
 
 def assert_none_failed(failures: list[str], world: int) -> None:

@@ -11,7 +11,6 @@ The combinations are generated from the schema, so a new kind, sharing or format
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from matrix import (
     declaration,
     load_fresh,
     pipeline_groups,
+    reported,
     seed_for,
 )
 
@@ -54,40 +54,36 @@ def conformance_pass(rank: int, world: int, root: Path, save: bool, load_from: l
     for combo in ACCEPTED:
         case = Case(combo, root, world)
         where = f"{'/'.join(combo)} at world size {world}"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                if save:
-                    objects = case.objects(seed_for(1, case.sharing, rank, groups))
-                    with statereg.CheckpointManager(case.spec(), groups=groups,
-                                                    **objects) as mgr:
-                        mgr.save(step=1)
-                        plans = mgr.world.all_gather(mgr.plan)
-                    manifest = statereg.read_manifest(f"{case.url}/step_00000001")
-                    extra, missing = unpredicted([f.path for f in manifest.files], plans)
-                    if extra or missing:
-                        failures.append(f"{where}: files not predicted {extra}, predicted "
-                                        f"but missing {missing}")
-                    _, exact = load_fresh(case, case.spec(), rank, groups)
-                    if not exact:
-                        failures.append(f"{where}: load is not bit-identical on rank {rank}")
-                for other in load_from:
-                    url = str(root / "-".join(combo) / f"ws{other}")
-                    try:
-                        _, exact = load_fresh(case, case.spec(url), rank, groups)
-                    except statereg.StateregError as exc:
-                        if combo[1] in ONE_COPY:
-                            failures.append(f"{where} from {other}: refused ({exc})")
-                        elif not str(exc).strip():
-                            failures.append(f"{where} from {other}: an error without a reason")
-                    else:
-                        if combo[1] not in ONE_COPY:
-                            failures.append(f"{where} from {other}: loaded per-copy state "
-                                            "saved at another world size")
-                        elif not exact:
-                            failures.append(f"{where} from {other}: not bit-identical")
-            except Exception as exc:  # every combination is reported, not just the first
-                failures.append(f"{where}: {type(exc).__name__}: {exc}")
+        with reported(failures, where):
+            if save:
+                objects = case.objects(seed_for(1, case.sharing, rank, groups))
+                with statereg.CheckpointManager(case.spec(), groups=groups,
+                                                **objects) as mgr:
+                    mgr.save(step=1)
+                    plans = mgr.world.all_gather(mgr.plan)
+                manifest = statereg.read_manifest(f"{case.url}/step_00000001")
+                extra, missing = unpredicted([f.path for f in manifest.files], plans)
+                if extra or missing:
+                    failures.append(f"{where}: files not predicted {extra}, predicted "
+                                    f"but missing {missing}")
+                _, exact = load_fresh(case, case.spec(), rank, groups)
+                if not exact:
+                    failures.append(f"{where}: load is not bit-identical on rank {rank}")
+            for other in load_from:
+                url = str(root / "-".join(combo) / f"ws{other}")
+                try:
+                    _, exact = load_fresh(case, case.spec(url), rank, groups)
+                except statereg.StateregError as exc:
+                    if combo[1] in ONE_COPY:
+                        failures.append(f"{where} from {other}: refused ({exc})")
+                    elif not str(exc).strip():
+                        failures.append(f"{where} from {other}: an error without a reason")
+                else:
+                    if combo[1] not in ONE_COPY:
+                        failures.append(f"{where} from {other}: loaded per-copy state "
+                                        "saved at another world size")
+                    elif not exact:
+                        failures.append(f"{where} from {other}: not bit-identical")
     assert_none_failed(failures, world)
 
 

@@ -7,7 +7,6 @@ file and loads into fresh objects on every rank bit for bit. The matrix is the s
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from matrix import (
     load_fresh,
     on_rank_zero,
     pipeline_groups,
+    reported,
     seed_for,
 )
 
@@ -47,22 +47,18 @@ def copy_pass(rank: int, world: int, root: Path, compressed: bool) -> None:
         if compressed:
             spec["storage"]["compression"] = {"codec": "zstd", "float_aware": True}
         where = f"{'/'.join(combo)} at world size {world}{', zstd' if compressed else ''}"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                objects = case.objects(seed_for(1, case.sharing, rank, groups))
-                with statereg.CheckpointManager(spec, groups=groups, **objects) as mgr:
-                    mgr.save(step=1)
-                for mode, recompress in RECOMPRESS.items():
-                    target = f"{case.url}-cp-{mode}"
-                    error = on_rank_zero(rank, _copy, case.url, target, recompress)
-                    if error is not None:
-                        failures.append(f"{where}, cp {mode}: {error}")
-                        continue
-                    if not load_fresh(case, case.spec(target), rank, groups)[1]:
-                        failures.append(f"{where}, cp {mode}: not bit-identical on rank {rank}")
-            except Exception as exc:  # every combination is reported, not just the first
-                failures.append(f"{where}: {type(exc).__name__}: {exc}")
+        with reported(failures, where):
+            objects = case.objects(seed_for(1, case.sharing, rank, groups))
+            with statereg.CheckpointManager(spec, groups=groups, **objects) as mgr:
+                mgr.save(step=1)
+            for mode, recompress in RECOMPRESS.items():
+                target = f"{case.url}-cp-{mode}"
+                error = on_rank_zero(rank, _copy, case.url, target, recompress)
+                if error is not None:
+                    failures.append(f"{where}, cp {mode}: {error}")
+                    continue
+                if not load_fresh(case, case.spec(target), rank, groups)[1]:
+                    failures.append(f"{where}, cp {mode}: not bit-identical on rank {rank}")
     assert_none_failed(failures, world)
 
 

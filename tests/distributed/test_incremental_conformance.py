@@ -8,7 +8,6 @@ self-contained, verifies and loads bit for bit. The matrix is the schema's (matr
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 from harness import run_ranks
@@ -19,6 +18,7 @@ from matrix import (
     load_fresh,
     on_rank_zero,
     pipeline_groups,
+    reported,
     seed_for,
 )
 
@@ -45,27 +45,23 @@ def incremental_pass(rank: int, world: int, root: Path) -> None:
         spec = case.spec()
         spec["save"] = {"incremental": True, "keep_last": 2}
         where = "/".join(combo)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                for step, seed in STEPS:
-                    objects = case.objects(seed_for(seed, case.sharing, rank, groups))
-                    with statereg.CheckpointManager(spec, groups=groups, **objects) as mgr:
-                        mgr.save(step=step)
-                references = statereg.read_manifest(f"{case.url}/step_00000003").references
-                if case.fmt == "dcp" and not any(r.path.startswith("step_00000001/")
-                                                 for r in references):
-                    failures.append(f"{where}: step 3 references none of step 1's files")
-                for step, seed in STEPS[2:]:
-                    if not load_fresh(case, spec, rank, groups, seed, step=step)[1]:
-                        failures.append(f"{where}: step {step} is not bit-identical")
-                error = on_rank_zero(rank, _copy, case.url, f"{case.url}-cp")
-                if error is not None:
-                    failures.append(f"{where}, cp: {error}")
-                elif not load_fresh(case, case.spec(f"{case.url}-cp"), rank, groups)[1]:
-                    failures.append(f"{where}: the copy of step 3 is not bit-identical")
-            except Exception as exc:  # every combination is reported, not just the first
-                failures.append(f"{where}: {type(exc).__name__}: {exc}")
+        with reported(failures, where):
+            for step, seed in STEPS:
+                objects = case.objects(seed_for(seed, case.sharing, rank, groups))
+                with statereg.CheckpointManager(spec, groups=groups, **objects) as mgr:
+                    mgr.save(step=step)
+            references = statereg.read_manifest(f"{case.url}/step_00000003").references
+            if case.fmt == "dcp" and not any(r.path.startswith("step_00000001/")
+                                             for r in references):
+                failures.append(f"{where}: step 3 references none of step 1's files")
+            for step, seed in STEPS[2:]:
+                if not load_fresh(case, spec, rank, groups, seed, step=step)[1]:
+                    failures.append(f"{where}: step {step} is not bit-identical")
+            error = on_rank_zero(rank, _copy, case.url, f"{case.url}-cp")
+            if error is not None:
+                failures.append(f"{where}, cp: {error}")
+            elif not load_fresh(case, case.spec(f"{case.url}-cp"), rank, groups)[1]:
+                failures.append(f"{where}: the copy of step 3 is not bit-identical")
     assert_none_failed(failures, world)
 
 

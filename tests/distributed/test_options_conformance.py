@@ -6,7 +6,6 @@ ranks, loads into fresh objects bit for bit. `trainable_only` leaves buffers out
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from matrix import (
     bitwise_equal,
     declaration,
     pipeline_groups,
+    reported,
     seed_for,
 )
 from pydantic import ValidationError
@@ -67,26 +67,22 @@ def options_pass(rank: int, world: int, root: Path) -> None:
         for combo in (c for c in ACCEPTED if _accepts(c, options)):
             case = OptionCase(combo, root / label.replace(" ", "-"), world, options)
             where = f"{label} on {'/'.join(combo)}"
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                try:
-                    objects = case.objects(seed_for(1, case.sharing, rank, groups))
-                    with statereg.CheckpointManager(case.spec(), groups=groups,
-                                                    **objects) as mgr:
-                        mgr.save(step=1)
-                    saved = case.snapshot(case.objects(seed_for(1, case.sharing, rank, groups)))
-                    fresh = case.objects(seed_for(5000, case.sharing, rank, groups))
-                    with statereg.CheckpointManager(case.spec(), groups=groups, **fresh) as mgr:
-                        mgr.load()
-                    loaded = case.snapshot(fresh)
-                    if "trainable_only" in options:
-                        left_out = {k: saved.pop(k) for k in BUFFERS}
-                        if bitwise_equal(left_out, {k: loaded.pop(k) for k in BUFFERS}):
-                            failures.append(f"{where}: a buffer came back")
-                    if not bitwise_equal(saved, loaded):
-                        failures.append(f"{where}: not bit-identical on rank {rank}")
-                except Exception as exc:  # every case is reported, not just the first
-                    failures.append(f"{where}: {type(exc).__name__}: {exc}")
+            with reported(failures, where):
+                objects = case.objects(seed_for(1, case.sharing, rank, groups))
+                with statereg.CheckpointManager(case.spec(), groups=groups,
+                                                **objects) as mgr:
+                    mgr.save(step=1)
+                saved = case.snapshot(case.objects(seed_for(1, case.sharing, rank, groups)))
+                fresh = case.objects(seed_for(5000, case.sharing, rank, groups))
+                with statereg.CheckpointManager(case.spec(), groups=groups, **fresh) as mgr:
+                    mgr.load()
+                loaded = case.snapshot(fresh)
+                if "trainable_only" in options:
+                    left_out = {k: saved.pop(k) for k in BUFFERS}
+                    if bitwise_equal(left_out, {k: loaded.pop(k) for k in BUFFERS}):
+                        failures.append(f"{where}: a buffer came back")
+                if not bitwise_equal(saved, loaded):
+                    failures.append(f"{where}: not bit-identical on rank {rank}")
     assert_none_failed(failures, world)
 
 

@@ -11,12 +11,19 @@ touching this file.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
 from harness import run_ranks
-from matrix import ACCEPTED, Case, assert_none_failed, load_fresh, pipeline_groups, seed_for
+from matrix import (
+    ACCEPTED,
+    Case,
+    assert_none_failed,
+    load_fresh,
+    pipeline_groups,
+    reported,
+    seed_for,
+)
 
 import statereg
 from statereg.engine.plan import unpredicted
@@ -30,22 +37,18 @@ def store_pass(rank: int, world: int, url: str, options: dict[str, Any]) -> None
     for combo in ACCEPTED:
         case = Case(combo, url, world, options)
         where = f"{'/'.join(combo)} on {url.split(':')[0]}"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                objects = case.objects(seed_for(1, case.sharing, rank, groups))
-                with statereg.CheckpointManager(case.spec(), groups=groups, **objects) as mgr:
-                    mgr.save(step=1)
-                    plans = mgr.world.all_gather(mgr.plan)
-                manifest = statereg.read_manifest(f"{case.url}/step_00000001", options)
-                extra, missing = unpredicted([f.path for f in manifest.files], plans)
-                if extra or missing:
-                    failures.append(f"{where}: files not predicted {extra}, predicted but "
-                                    f"missing {missing}")
-                if not load_fresh(case, case.spec(), rank, groups)[1]:
-                    failures.append(f"{where}: load is not bit-identical on rank {rank}")
-            except Exception as exc:  # every combination is reported, not just the first
-                failures.append(f"{where}: {type(exc).__name__}: {exc}")
+        with reported(failures, where):
+            objects = case.objects(seed_for(1, case.sharing, rank, groups))
+            with statereg.CheckpointManager(case.spec(), groups=groups, **objects) as mgr:
+                mgr.save(step=1)
+                plans = mgr.world.all_gather(mgr.plan)
+            manifest = statereg.read_manifest(f"{case.url}/step_00000001", options)
+            extra, missing = unpredicted([f.path for f in manifest.files], plans)
+            if extra or missing:
+                failures.append(f"{where}: files not predicted {extra}, predicted but "
+                                f"missing {missing}")
+            if not load_fresh(case, case.spec(), rank, groups)[1]:
+                failures.append(f"{where}: load is not bit-identical on rank {rank}")
     assert_none_failed(failures, world)
 
 
