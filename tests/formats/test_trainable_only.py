@@ -93,3 +93,12 @@ def test_buffers_left_out_are_named_once_at_construction(
     with caplog.at_level("WARNING", logger="statereg"):
         statereg.CheckpointManager(_spec(tmp_path / "plain", "dcp", True), model=_model(0, 1))
     assert not [r for r in caplog.records if "trainable_only" in r.getMessage()]
+    # A model given later with attach() is named when it arrives, not before.
+    later = _spec(tmp_path / "later", "dcp", True)
+    later["components"]["model"]["required"] = False
+    with caplog.at_level("WARNING", logger="statereg"):
+        mgr = statereg.CheckpointManager(later)
+        assert not [r for r in caplog.records if "trainable_only" in r.getMessage()]
+        mgr.attach(model=model)
+    assert [r.getMessage() for r in caplog.records
+            if "trainable_only" in r.getMessage()] == warned
