@@ -19,6 +19,8 @@ _EXPORTS = {
     "Manifest": "statereg.schemas",
     "CheckpointManager": "statereg.manager",
     "LoadResult": "statereg.engine.load",
+    "SaveInfo": "statereg.engine.saver",
+    "CadenceReport": "statereg.engine.cadence",
     "KeyReport": "statereg.engine.load",
     "load_model_from": "statereg.interop",
     "export_hf": "statereg.interop",
@@ -41,8 +43,10 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from statereg.declaration import load_spec
+    from statereg.engine.cadence import CadenceReport
     from statereg.engine.inspect import read_manifest, verify
     from statereg.engine.load import KeyReport, LoadResult
+    from statereg.engine.saver import SaveInfo
     from statereg.errors import (
         CheckpointDeletedError,
         CheckpointExistsError,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend, url_scheme
 from statereg.declaration import load_spec
+from statereg.engine.cadence import Cadence, CadenceReport
 from statereg.engine.checkpoints import (
     Committed,
     checkpoint_name,
@@ -23,7 +25,7 @@ from statereg.engine.inspect import split_checkpoint_url
 from statereg.engine.load import LoadResult, load_checkpoint, select_components
 from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
 from statereg.engine.retention import best_checkpoints
-from statereg.engine.saver import SaveHandle, Saver
+from statereg.engine.saver import SaveHandle, SaveInfo, Saver
 from statereg.engine.signals import SignalGuard
 from statereg.engine.tiers import TierEngine
 from statereg.engine.verify import VerifyMode
@@ -73,6 +75,19 @@ def _lint(spec: RegistrySpec, adapters: dict[str, Any], rank: int) -> None:
                 name, len(left_out), ", ".join(left_out[:3]), more)
 
 
+@dataclass(frozen=True)
+class _DeferredLoad:
+    """Where a deferred component's tensors come from when attach() gives its object."""
+
+    backend: StorageBackend
+    committed: Committed
+    strict: bool
+    verify: VerifyMode
+
+    def __hash__(self) -> int:
+        return hash((id(self.backend), self.committed.name))
+
+
 class CheckpointManager:
     """Saves and restores the declared components of one training run.
 
@@ -92,6 +107,8 @@ class CheckpointManager:
         self._backend = open_backend(self.spec.storage.url, self.spec.storage.options)
         self.plan: RankPlan = compile_plan(self.spec, self.world.layout, self._backend.url)
         self._pending: dict[str, Any] = {}
+        # Loaded components whose tensors load in place, waiting for attach(): where from.
+        self._deferred: dict[str, _DeferredLoad] = {}
         # Components a failed load may have left half-overwritten, and why: save() refuses
         # while any remains; a load that restores them clears them.
         self._damaged: dict[str, str] = {}
@@ -101,6 +118,9 @@ class CheckpointManager:
                        else TierEngine(self.spec, self._backend, self.world, self._adapters))
         # on_signal: finish the save in flight, flush to storage.url, exit (docs/tiers.md).
         self._signals = SignalGuard.install(self, self._saver, self._tiers)
+        self._cadence = Cadence(self.spec.save)
+        self.last_saved: SaveInfo | None = None
+        self._saver.listeners.append(self._note_saved)
 
     # -- saving -------------------------------------------------------------------------
 
@@ -125,9 +145,46 @@ class CheckpointManager:
                 f"checkpoint damaged state; a load that restores {names} succeeds clears this "
                 "(mgr.load() resumes from the newest intact checkpoint)"
             )
+        if self._deferred or self._pending:
+            waiting = ", ".join(sorted({*self._deferred, *self._pending}))
+            logger.warning("save(step=%s): %s loaded from a checkpoint but not attached yet, so "
+                           "not in this checkpoint; call mgr.attach(...) before saving", step,
+                           waiting)
+        clock = self._cadence.clock
+        started = clock()
         if self._tiers is not None:
-            return self._tiers.save(self.plan, self._adapters, step, tokens_seen, extra)
-        return self._saver.save(self.plan, self._adapters, step, tokens_seen, extra)
+            handle = self._tiers.save(self.plan, self._adapters, step, tokens_seen, extra)
+        else:
+            handle = self._saver.save(self.plan, self._adapters, step, tokens_seen, extra)
+        if handle is not None:
+            self._cadence.saved(step, clock() - started)
+        return handle
+
+    def should_save(self, step: int) -> bool:
+        """Whether the declared cadence (save.every_steps, every_seconds, every: auto) says
+        to save at `step`. Under torch.distributed, call it on every rank at every step: with
+        a time-based cadence rank 0's clock decides and every rank receives its answer (one
+        small broadcast), so all ranks save the same steps."""
+        due = self._cadence.due(step)
+        if self._cadence.by_time and self.world.size > 1:
+            due = bool(self.world.broadcast(due))
+        if due and self.spec.save.every == "auto" and self.world.rank == 0:
+            logger.info("every: auto: %s", self._cadence.report())
+        return due
+
+    @property
+    def cadence(self) -> CadenceReport:
+        """The interval `save.every: auto` uses now: stall, MTBF, expected goodput."""
+        return self._cadence.report()
+
+    def on_saved(self, listener: Callable[[SaveInfo], None]) -> None:
+        """Call `listener(info)` after each committed save, on every rank: with `save.async`,
+        on the save's background thread. `info` has step, url, stall_s, committed_s and
+        bytes (e.g. for a tracker); a listener's failure is logged, not raised."""
+        self._saver.listeners.append(listener)
+
+    def _note_saved(self, info: SaveInfo) -> None:
+        self.last_saved = info
 
     def wait_staged(self) -> None:
         """Block until the pending save's copy to host buffers is done; re-raise its failure.
@@ -298,7 +355,11 @@ class CheckpointManager:
             raise
         for name in names:
             self._damaged.pop(name, None)
+            self._pending.pop(name, None)
+            self._deferred.pop(name, None)
         self._pending.update(pending)
+        source = _DeferredLoad(backend, committed, strict, verify)
+        self._deferred.update(dict.fromkeys(result.deferred, source))
         return result
 
     def _older_intact(self, damaged: Committed) -> Committed | None:
@@ -313,7 +374,13 @@ class CheckpointManager:
         return older[-1] if older else None
 
     def attach(self, **objects: Any) -> None:
-        """Give objects built after load(); saved state held for them is applied once, now."""
+        """Give objects built after load(); what that load read for them is applied now.
+
+        Any component may come late (declare it `required: false`): state held for an
+        object component is applied at once; a tensor component (model, optimizer, format
+        dcp...) is read now from the checkpoint load() chose, with the same verification,
+        on every rank (so under torch.distributed, call attach() on every rank, as load()).
+        """
         check_objects(self.spec, objects, initial=False)
         self._objects.update(objects)
         self._adapters = build_adapters(self.spec, self._objects)
@@ -324,6 +391,26 @@ class CheckpointManager:
                 adapter = self._adapters[name]
                 adapter.restore(self._pending[name])  # type: ignore[union-attr]
                 del self._pending[name]
+        due: dict[_DeferredLoad, list[str]] = {}
+        for name in self.spec.components:  # declaration order: the same on every rank
+            if name in objects and name in self._deferred:
+                due.setdefault(self._deferred[name], []).append(name)
+        for source, names in due.items():
+            # Clears them from _deferred once applied; a failure leaves them waiting.
+            self._load_committed(source.backend, source.committed, names, [], source.strict,
+                                 source.verify)
+
+    def attached(self, name: str) -> bool:
+        """Whether component `name` has its live object (rng always has)."""
+        if name not in self.spec.components:
+            raise SpecError(f"attached({name!r}): not a declared component; declared: "
+                            f"{', '.join(self.spec.components)}")
+        return name in self._adapters
+
+    @property
+    def awaiting_attach(self) -> tuple[str, ...]:
+        """Components a load read state for whose object has not been attached yet."""
+        return tuple(n for n in self.spec.components if n in self._deferred or n in self._pending)
 
     # -- listing ------------------------------------------------------------------------
 
@@ -345,6 +432,33 @@ class CheckpointManager:
         self.wait()
         chosen = best_checkpoints(list_committed(self._backend), self.spec.save)
         return [self._backend.display(c.name) for c in chosen]
+
+    def load_best(self, **options: Any) -> LoadResult | None:
+        """Load the best checkpoint by `save.keep_best`'s metric (as load() with its path);
+        None when the root holds no checkpoint. `options` are load()'s (exclude, profile...).
+        Collective under torch.distributed: rank 0 chooses, every rank loads the same one."""
+        rule = self.spec.save.keep_best
+        if rule is None:
+            raise SpecError("load_best(): no 'save.keep_best' is declared, so no metric says "
+                            "which checkpoint is best; add keep_best: {metric: NAME}")
+        self.wait()
+        chosen = self.world.from_leader(self._best_here)
+        return None if chosen is None else self.load(chosen, **options)
+
+    def _best_here(self) -> str | None:
+        committed = list_committed(self._backend)
+        best = best_checkpoints(committed, self.spec.save)
+        if best:
+            return best[0].name
+        if committed:
+            rule = self.spec.save.keep_best
+            assert rule is not None
+            raise CheckpointNotFoundError(
+                f"load_best(): no checkpoint in {self._backend.url} records the metric "
+                f"{rule.metric!r} in extra (pass it as save(..., extra={{{rule.metric!r}: "
+                "value}})); load one by step instead"
+            )
+        return None
 
     def peek(self, url: str | os.PathLike[str] | None = None) -> CheckpointInfo | None:
         """Step, tokens and extra of a checkpoint (default: latest) without loading tensors.

@@ -54,6 +54,9 @@ class LoadResult:
     # False for a foreign source (Hugging Face directory, plain DCP): no manifest, no checksums.
     verified: bool = True
     keys: dict[str, KeyReport] = field(default_factory=dict)  # per tensor component
+    # Components without an object yet whose tensors load in place: checked now, read from
+    # this checkpoint when mgr.attach() gives their object.
+    deferred: tuple[str, ...] = ()
 
 
 def select_components(declared: Iterable[str], committed: Committed, include: list[str] | None,
@@ -157,6 +160,8 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     steps: list[tuple[str, Callable[[], None]]] = []
     pending: dict[str, Any] = {}
     keys: dict[str, KeyReport] = {}
+    deferred = [n for n in names
+                if adapters.get(n) is None and LAYOUTS[tasks[n].layout].needs_object]
 
     # Every byte read from here on is checked against the manifest as it is read (whole
     # files by their checksums, DCP items by their digests), unless verify is off.
@@ -167,7 +172,7 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     # Layouts read for their collective once and broadcast (ReadContext.read_once,
     # GroupReader), so ranks agree after each component: a rank that failed alone must not
     # leave the others waiting in the next component's collective.
-    for name in names:
+    for name in (n for n in names if n not in deferred):
         task = tasks[name]
         prepared, error = attempt(LAYOUTS[task.layout].prepare, task,
                                   manifest.components[name], adapters.get(name), ctx)
@@ -199,6 +204,7 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
         path=backend.display(committed.name),
         components=tuple(names),
         keys=keys,
+        deferred=tuple(deferred),
     )
     for name, report in keys.items():
         if (report.missing or report.unexpected) and world.rank == 0:

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from statereg.backends.base import StorageBackend
@@ -36,6 +37,19 @@ from statereg.schemas.spec import RegistrySpec
 logger = logging.getLogger("statereg")
 
 
+@dataclass(frozen=True)
+class SaveInfo:
+    """What one save did, for a tracker or a log: the step and where it went, how long it
+    held the training loop (`stall_s`), how long until it was committed (`committed_s`, from
+    the call of save()), and how many bytes of state it saved (before compression)."""
+
+    step: int
+    url: str
+    stall_s: float
+    committed_s: float
+    bytes: int
+
+
 class SaveHandle(str):
     """What save() returns: the checkpoint's URL (a plain str to every caller) and a wait.
 
@@ -46,11 +60,18 @@ class SaveHandle(str):
     """
 
     _staged: Future[None] | None
+    _committed: Future[SaveInfo]
 
-    def __new__(cls, url: str, staged: Future[None] | None = None) -> SaveHandle:
+    def __new__(cls, url: str, staged: Future[None] | None = None,
+                committed: Future[SaveInfo] | None = None) -> SaveHandle:
         handle = super().__new__(cls, url)
         handle._staged = staged
+        handle._committed = committed if committed is not None else Future()
         return handle
+
+    def info(self) -> SaveInfo:
+        """What the save did, once committed: blocks until then; re-raises its failure."""
+        return self._committed.result()
 
     def wait_staged(self) -> None:
         """Block until this save's copy to host buffers is done; re-raise its failure."""
@@ -76,6 +97,8 @@ class Saver:
         self._failure: tuple[str, float] | None = None  # what the last background failure was
         # DCP plans kept from one save to the next: a save of unchanged shapes reuses them.
         self._plans = SavePlans()
+        # Called with each committed save's SaveInfo (CheckpointManager.on_saved).
+        self.listeners: list[Callable[[SaveInfo], None]] = []
 
     def save(self, plan: RankPlan, adapters: dict[str, Any], step: int,
              tokens_seen: int | None, extra: dict[str, Any] | None,
@@ -89,6 +112,7 @@ class Saver:
                                         or isinstance(tokens_seen, bool) or tokens_seen < 0):
             raise SpecError(f"save(tokens_seen={tokens_seen!r}): tokens_seen must be a "
                             "non-negative int or None (e.g. int(tokens))")
+        started = time.perf_counter()
         self.wait()
         extra = check_extra(extra)
         world = self.world
@@ -103,23 +127,34 @@ class Saver:
         args = (self.backend, self.spec)
         rest = (step, tokens_seen, extra, world, self._plans)
         url = self.backend.display(checkpoint_name(step))
+        nbytes = sum(c.nbytes for c in captured)
+        stall: list[float] = []  # the loop's stall, known once save() is about to return
+        committed: Future[SaveInfo] = Future()
 
         def commit(items: list[Captured]) -> str:
-            name = save_checkpoint(*args, items, *rest)
-            if after_commit is not None:
-                after_commit(name)
+            try:
+                name = save_checkpoint(*args, items, *rest)
+                if after_commit is not None:
+                    after_commit(name)
+            except BaseException as exc:
+                committed.set_exception(exc)
+                raise
+            done = time.perf_counter() - started
+            self._announce(committed, SaveInfo(step, url, stall[0] if stall else done,
+                                               done, nbytes))
             return name
 
         if self.spec.save.async_mode == "off":
             commit(captured)
-            return SaveHandle(url)
+            return SaveHandle(url, committed=committed)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="statereg-save")
         if not self.spec.save.early_return:
             staged = self._stage(captured, step)
+            stall.append(time.perf_counter() - started)
             self._inflight = self._executor.submit(self._reported, step,
                                                    lambda: commit(staged))
-            return SaveHandle(url)
+            return SaveHandle(url, committed=committed)
         done: Future[None] = Future()
         mark = mark_loop(captured)  # the copies wait for the loop's work queued until now
 
@@ -133,8 +168,20 @@ class Saver:
             return commit(staged)
 
         self._staged = done
+        stall.append(time.perf_counter() - started)
         self._inflight = self._executor.submit(self._reported, step, stage_then_save)
-        return SaveHandle(url, done)
+        return SaveHandle(url, done, committed)
+
+    def _announce(self, committed: Future[SaveInfo], info: SaveInfo) -> None:
+        """Resolve the handle's info and tell the listeners; a listener's failure is logged,
+        never the save's (the checkpoint is committed)."""
+        committed.set_result(info)
+        for listener in self.listeners:
+            try:
+                listener(info)
+            except Exception:
+                logger.exception("an on_saved listener failed for step %d (the checkpoint "
+                                 "is committed)", info.step)
 
     def _reported(self, step: int, work: Callable[[], str]) -> str:
         """Run a background save; a failure is logged at once, naming the step and the time,

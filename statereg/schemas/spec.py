@@ -62,6 +62,17 @@ def parse_size(value: int | str) -> int:
         raise ValueError(f"size {value!r} must be at least 1 byte")
     return size
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: str) -> float:
+    """Seconds from a duration such as '90s', '30m', '6h' or '2d' (a bare number is seconds)."""
+    match = _DURATION.match(value)
+    if match is None:
+        raise ValueError(f"duration {value!r} is not a duration; write e.g. 3600, 90m, 6h or 2d")
+    return float(match.group(1)) * _DURATION_UNITS[(match.group(2) or "").lower()]
+
 # Component names become directory names on storage, so keep them portable.
 # \Z, not $: `$` also matches before a trailing newline, which would let "model\n" through.
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}\Z")
@@ -308,6 +319,32 @@ class SaveSpec(_Declared):
     keep_best: KeepBestSpec | None = Field(
         default=None, description="Also keep the best checkpoints by a metric in `extra`."
     )
+    every_steps: int | None = Field(
+        default=None, ge=1,
+        description="The cadence mgr.should_save(step) answers: every N steps (combined with "
+        "every_seconds, whichever comes first).",
+    )
+    every_seconds: float | None = Field(
+        default=None, gt=0,
+        description="The cadence mgr.should_save(step) answers: once this many seconds passed "
+        "since the last save (rank 0's clock decides for every rank).",
+    )
+    every: Literal["auto"] | None = Field(
+        default=None,
+        description="auto: mgr.should_save(step) picks the interval from the measured stall of "
+        "the last saves and `mtbf` (Young/Daly: interval = sqrt(2 x stall x MTBF)), and logs "
+        "the expected goodput.",
+    )
+    mtbf: float | None = Field(
+        default=None, gt=0,
+        description="Mean time between failures of the job, in seconds or as a duration "
+        "('6h', '90m', '2d'), for `every: auto` (default 24h).",
+    )
+
+    @field_validator("mtbf", mode="before")
+    @classmethod
+    def _mtbf_duration(cls, value: Any) -> Any:
+        return parse_duration(value) if isinstance(value, str) else value
 
     @field_validator("async_mode", mode="before")
     @classmethod
@@ -323,6 +360,16 @@ class SaveSpec(_Declared):
     def _early_return_needs_async(self) -> SaveSpec:
         if self.early_return and self.async_mode == "off":
             raise ValueError("'early_return' needs 'async: thread' or 'async: pinned'")
+        return self
+
+    @model_validator(mode="after")
+    def _one_cadence(self) -> SaveSpec:
+        if self.every == "auto" and (self.every_steps or self.every_seconds):
+            raise ValueError("'every: auto' picks the interval itself: remove every_steps and "
+                             "every_seconds, or remove 'every'")
+        if self.mtbf is not None and self.every != "auto":
+            raise ValueError("'mtbf' is used by 'every: auto' only: add 'every: auto' or "
+                             "remove 'mtbf'")
         return self
 
 

@@ -118,6 +118,11 @@ def nothing() -> None:
 class LayoutExecutor(Protocol):
     """Executes the save and load tasks of one layout."""
 
+    # Whether a load needs the live object (tensors load in place into it). A load into a
+    # component not attached yet is then deferred until mgr.attach() gives the object;
+    # otherwise the read state is held and applied by attach().
+    needs_object: bool
+
     def capture(self, task: Task, adapter: Any) -> Captured:
         """This rank's state of the component (no copy of tensors)."""
         ...

@@ -24,6 +24,8 @@ from statereg.schemas.manifest import ComponentRecord
 
 
 class ConsolidatedLayout:
+    needs_object = True
+
     def capture(self, task: Task, adapter: Any) -> Captured:
         state = adapter.capture()
         return Captured(task, tensors=state.tensors, meta=state.meta)

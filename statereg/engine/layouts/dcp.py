@@ -322,6 +322,8 @@ class PlannedWriteContext(WriteContext):
 
 
 class DCPLayout:
+    needs_object = True
+
     """Saves and loads a tensor-state component through DCP, as its task says."""
 
     def capture(self, task: Task, adapter: Any) -> Captured:

@@ -20,6 +20,8 @@ logger = logging.getLogger("statereg")
 
 
 class ObjectFileLayout:
+    needs_object = False
+
     def capture(self, task: Task, adapter: Any) -> Captured:
         (path,) = task.files
         data = encode_object(task.format, adapter.capture(), f"component {task.component!r}")
