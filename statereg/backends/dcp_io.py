@@ -231,7 +231,7 @@ class BackendWriter(FileSystemWriter):
     def __init__(self, backend: StorageBackend, path: str, recorder: FileRecorder,
                  thread_count: int = 1,
                  compression: codec.CompressionSettings | None = None,
-                 reuse: dict[str, Reusable] | None = None) -> None:
+                 reuse: Mapping[str, Reusable] | None = None) -> None:
         # sync_files=False: our streams are made durable by the backend before they are
         # reported (DCP's own fsync falls back to a machine-wide os.sync() on remote streams).
         super().__init__(path, sync_files=False, thread_count=thread_count, overwrite=False)

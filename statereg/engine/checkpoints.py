@@ -1,7 +1,10 @@
 """Finding committed checkpoints: directory names, manifests and their checksums, `latest`.
 
 A checkpoint directory counts only once its manifest exists, parses and matches its
-manifest.sum (publish.py writes them in that order). Everything here only reads.
+manifest.sum (publish.py writes them in that order). Listings that decide what a run keeps
+or resumes from (list(), resume, retention, gc) also check every file the manifest records
+against the sizes a listing of its directory gives: a missing or resized file makes the
+checkpoint damaged. Everything here only reads.
 """
 
 from __future__ import annotations
@@ -9,10 +12,10 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from statereg.backends.base import StorageBackend
-from statereg.backends.checksum import checksum_of, new_hasher
+from statereg.backends.checksum import check_size, checksum_of, missing, new_hasher
 from statereg.errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from statereg.schemas.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
@@ -126,18 +129,71 @@ def _usable(backend: StorageBackend, name: str, damaged: list[Exception]) -> Com
         return None
 
 
+class Listings:
+    """Sizes of stored files, one listing (`walk`) per top-level directory, made when first
+    asked and kept: a scan of N checkpoints lists each directory once, also the directory of
+    an incremental base that many checkpoints reference."""
+
+    def __init__(self, backend: StorageBackend) -> None:
+        self.backend = backend
+        self._dirs: dict[str, dict[str, tuple[int, str]]] = {}
+
+    def stored(self, path: str) -> tuple[int, str] | None:
+        """(size, kind) of the file at root-relative `path`, or None if it is not there."""
+        top = path.split("/", 1)[0]
+        listed = self._dirs.get(top)
+        if listed is None:
+            listed = self._dirs[top] = {f.path: (f.size, f.kind)
+                                        for f in self.backend.walk(top)}
+        return listed.get(path)
+
+
+def file_damage(backend: StorageBackend, ckpt: Committed,
+                listings: Listings) -> CorruptCheckpointError | None:
+    """Why `ckpt` cannot load by what a listing shows, or None: the first file its manifest
+    records (its own and the earlier files it references) that is missing, not a regular
+    file, or of another size than recorded. Costs only listings (`listings` keeps them); a
+    flipped byte in a file of the right size is found by `verify` or a load, not here."""
+    for record in ckpt.manifest.root_files(ckpt.name):
+        where = backend.display(record.path)
+        found = listings.stored(record.path)
+        if found is None:
+            return missing(where, record)
+        size, kind = found
+        if kind != "file":
+            return CorruptCheckpointError(
+                f"{where} is a {kind}, not a regular file; the manifest lists a file of "
+                f"{record.size} bytes. The checkpoint is damaged: load an earlier one"
+            )
+        try:
+            check_size(where, record, size)
+        except CorruptCheckpointError as exc:
+            return exc
+    return None
+
+
 @dataclass(frozen=True)
 class RootScan:
     """Every checkpoint directory of a root that has a manifest, sorted by step.
 
-    `committed` would load (manifest matches manifest.sum, parses, names its step);
-    `unreadable` has a manifest that does not: damaged, or written in a way this statereg
-    cannot read. What an unreadable one references is unknown, so retention and gc keep
-    every file it might reference (docs/reliability.md, "Unreadable manifests").
+    `committed` has a manifest that would load (matches manifest.sum, parses, names its
+    step); `unreadable` has a manifest that does not: damaged, or written in a way this
+    statereg cannot read. What an unreadable one references is unknown, so retention and gc
+    keep every file it might reference (docs/reliability.md, "Unreadable manifests").
+    `damaged` (filled by a scan with `check_files`): committed checkpoints a file of which is
+    missing or resized; they are in `committed` (their references are known and kept), not
+    in `intact`, and retention neither counts nor deletes them.
     """
 
     committed: list[Committed]
     unreadable: dict[str, Exception]
+    damaged: dict[str, CorruptCheckpointError] = field(default_factory=dict)
+
+    @property
+    def intact(self) -> list[Committed]:
+        """The committed checkpoints whose files all are there with their recorded sizes
+        (all of `committed` when the scan did not check files)."""
+        return [c for c in self.committed if c.name not in self.damaged]
 
     def unreadable_steps(self) -> list[int]:
         return sorted(step for step in map(step_of, self.unreadable) if step is not None)
@@ -155,8 +211,12 @@ class RootScan:
         return None
 
 
-def scan_root(backend: StorageBackend) -> RootScan:
-    """Every checkpoint directory with a manifest, each checked against its manifest.sum."""
+def scan_root(backend: StorageBackend, check_files: bool = False) -> RootScan:
+    """Every checkpoint directory with a manifest, each checked against its manifest.sum.
+
+    `check_files`: also check every committed checkpoint's files against the sizes in its
+    manifest (`damaged`), at one listing per directory that holds them.
+    """
     found, unreadable = [], {}
     for name in sorted((n for n in backend.list_dir("") if step_of(n) is not None),
                        key=step_of):
@@ -167,17 +227,27 @@ def scan_root(backend: StorageBackend) -> RootScan:
         except (ManifestError, CorruptCheckpointError) as exc:
             logger.warning("skipping %s: %s", backend.display(name), exc)
             unreadable[name] = exc
-    return RootScan(found, unreadable)
+    damaged = {}
+    if check_files:
+        listings = Listings(backend)
+        for ckpt in found:
+            damage = file_damage(backend, ckpt, listings)
+            if damage is not None:
+                logger.warning("skipping %s: %s", backend.display(ckpt.name), damage)
+                damaged[ckpt.name] = damage
+    return RootScan(found, unreadable, damaged)
 
 
 def list_committed(backend: StorageBackend) -> list[Committed]:
     """Every committed checkpoint under the root that would load, oldest step first.
 
     Directories without a manifest are interrupted saves; one whose manifest does not match
-    its manifest.sum, or does not parse, is damaged: both are skipped (with a warning for a
-    damaged one), so `ls` and `list()` show exactly what `load()` may use.
+    its manifest.sum, or does not parse, or a file of which is missing or has another size
+    than its manifest records, is damaged: both are skipped (with a warning for a damaged
+    one), so `ls` and `list()` show what `load()` may use. Cost: one manifest read and one
+    listing per checkpoint directory (and per directory an incremental checkpoint references).
     """
-    return scan_root(backend).committed
+    return scan_root(backend, check_files=True).intact
 
 
 def read_latest(backend: StorageBackend) -> str | None:
@@ -202,16 +272,24 @@ def latest_committed(backend: StorageBackend) -> Committed | None:
     usually reads one manifest.
 
     Uncommitted directories are skipped. A damaged checkpoint (its manifest does not match
-    manifest.sum, or does not parse) is skipped with a warning in favour of an older intact
-    one; if no intact one is left, its error is raised: a damaged root never looks empty,
-    which would silently restart training from scratch.
+    manifest.sum, or does not parse, or a file it records is missing or resized by a listing
+    of its directory) is skipped with a warning in favour of an older intact one; if no
+    intact one is left, the newest one's error is raised: a damaged root never looks empty,
+    which would silently restart training from scratch. Cost: per checkpoint tried, one
+    manifest read and one listing per directory its files are in (usually one).
     """
     damaged: list[Exception] = []
+    listings = Listings(backend)
     names = sorted((n for n in backend.list_dir("") if step_of(n) is not None), key=step_of)
     for name in reversed(names):
         found = _usable(backend, name, damaged)
-        if found is not None:
+        if found is None:
+            continue
+        damage = file_damage(backend, found, listings)
+        if damage is None:
             return found
+        logger.warning("skipping %s: %s", backend.display(name), damage)
+        damaged.append(damage)
     if damaged:
         raise damaged[0]
     return None

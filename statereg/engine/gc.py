@@ -31,11 +31,13 @@ from statereg.engine.claims import (
     reserved_checkpoints,
     uncommitted_names,
 )
+from statereg.engine.retention import RETIRED_NAME
 from statereg.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ManifestError,
     StateregError,
+    StorageError,
 )
 from statereg.schemas.manifest import MANIFEST_NAME
 
@@ -49,6 +51,8 @@ UNCOMMITTED = "uncommitted checkpoint"
 TEMPORARY = "temporary file"
 UPLOAD = "incomplete upload"
 DAMAGED = "unparsable manifest"
+DAMAGED_FILES = "damaged checkpoint"
+UPLOADS_UNLISTED = "incomplete uploads"
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,21 @@ def _decide(age: float | None, grace_s: float) -> str:
     return "delete"
 
 
+@dataclass(frozen=True)
+class _Held:
+    """A checkpoint a live incremental save reuses (its claim names it) whose manifest is
+    gone (another job's retention uncommitted it): what it references is unknown, so every
+    directory of its step or lower stays while that save runs."""
+
+    name: str
+
+    def covers(self, name: str) -> bool:
+        step, held = step_of(name), step_of(self.name)
+        return step is not None and held is not None and step <= held
+
+
 def _directory(backend: StorageBackend, name: str, grace_s: float, now: float,
-               needed: set[str], scan: RootScan) -> Leftover | None:
+               needed: set[str], scan: RootScan, held: _Held | None) -> Leftover | None:
     try:
         read_manifest_at(backend, name, check=False)
         return None  # committed: never touched
@@ -95,11 +112,17 @@ def _directory(backend: StorageBackend, name: str, grace_s: float, now: float,
         return None  # nothing stored (an object store has no empty directories)
     times = [f.mtime for f in files if f.mtime is not None]
     age = _age(max(times) if times else None, now)
-    action = _decide(age, grace_s)
-    held = sum(1 for f in files if f.path in needed)
-    if held:
-        action = (f"keep: {held} of its files are referenced by committed incremental "
+    # What a retention left (its marker): its own, whatever the age of the files.
+    retired = any(f.path == f"{name}/{RETIRED_NAME}" for f in files)
+    action = "delete" if retired else _decide(age, grace_s)
+    referenced = sum(1 for f in files if f.path in needed)
+    if referenced:
+        action = (f"keep: {referenced} of its files are referenced by committed incremental "
                   "checkpoints (or a running incremental save); retention removes the rest")
+    if held is not None and held.covers(name):
+        action = (f"keep: a running incremental save reuses {held.name}, whose manifest is "
+                  f"gone, so the files it references are unknown; gc keeps every directory "
+                  f"up to {held.name} until that save ends")
     reader = scan.might_reference(name)
     if reader is not None:
         action = (f"keep: the manifest of {reader} cannot be read, and it may reference files "
@@ -119,15 +142,25 @@ def find_leftovers(backend: StorageBackend, grace_s: float = DEFAULT_GRACE_S,
     found: list[Leftover] = []
     stored = {f.path: f for f in backend.walk("") if "/" not in f.path}
     # Unparsable manifests reference what they might: everything of their step or lower.
-    scan = scan_root(backend)
-    needed = referenced_files(scan.committed)
+    scan = scan_root(backend, check_files=True)
+    needed = referenced_files(scan.committed)  # damaged checkpoints' references stay too
     by_name = {c.name: c for c in scan.committed}
-    for held in reserved_checkpoints(backend, uncommitted_names(backend, by_name)):
-        if held in by_name:
-            needed |= {f.path for f in by_name[held].manifest.root_files(held)}
+    gone = []
+    for reused in reserved_checkpoints(backend, uncommitted_names(backend, by_name)):
+        if reused in by_name:
+            needed |= {f.path for f in by_name[reused].manifest.root_files(reused)}
+        elif step_of(reused) is not None:
+            gone.append(reused)
+    held = _Held(max(gone, key=lambda n: step_of(n) or 0)) if gone else None
+    for name, damage in scan.damaged.items():
+        found.append(Leftover(
+            DAMAGED_FILES, name, by_name[name].manifest.total_bytes, None,
+            f"keep: {damage}; gc never removes a checkpoint with a manifest: check it with "
+            f"`statereg verify`, then delete {name} by hand (retention neither counts nor "
+            "deletes it)"))
     for entry in backend.list_dir(""):
         if step_of(entry) is not None:
-            leftover = _directory(backend, entry, grace_s, now, needed, scan)
+            leftover = _directory(backend, entry, grace_s, now, needed, scan, held)
             if leftover is not None:
                 found.append(leftover)
         elif _TEMPORARY.search(entry) and entry in stored:
@@ -135,7 +168,21 @@ def find_leftovers(backend: StorageBackend, grace_s: float = DEFAULT_GRACE_S,
             found.append(Leftover(TEMPORARY, entry, stored[entry].size, age,
                                   _decide(age, grace_s)))
     kept_dirs = {f.path for f in found if not f.deletable}
-    for upload in backend.incomplete_uploads(""):
+    try:
+        uploads = backend.incomplete_uploads("")
+    except StorageError as exc:
+        # Directories were listed just now, so access works: the store does not list
+        # multipart uploads (ListMultipartUploads is optional on S3-compatible servers).
+        cause = exc.__cause__
+        detail = (str(cause).splitlines()[0] if cause is not None and str(cause)
+                  else "no detail")
+        found.append(Leftover(
+            UPLOADS_UNLISTED, "-", 0, None,
+            f"unknown: this store did not list incomplete multipart uploads ({detail}); it "
+            "may not support ListMultipartUploads. Everything else was checked; abort "
+            "abandoned uploads with the store's own tools or a lifecycle rule"))
+        uploads = []
+    for upload in uploads:
         top = upload.path.split("/", 1)[0]
         age = _age(upload.initiated, now)
         action = _decide(age, grace_s)

@@ -5,12 +5,18 @@ where each item lives. An item whose digest is unchanged is not written again: t
 metadata points at the old file (a relative path with '..', which plain DCP resolves on local
 disk), and the new manifest lists that file under `references`, so verify, retention, gc and
 cp know the new checkpoint depends on it.
+
+Every save that references a file first reads it whole and checks it against its recorded
+size and checksum (`reuse_index`): a damaged file is not referenced, its tensors are written
+again from memory, so bit rot in a base never spreads to later checkpoints.
 """
 
 from __future__ import annotations
 
+import logging
 import posixpath
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import checksum_of, new_hasher
@@ -24,12 +30,15 @@ from statereg.backends.dcp_io import (
 )
 from statereg.engine.checkpoints import Committed, latest_committed, read_manifest_at
 from statereg.engine.claims import Claim
+from statereg.engine.verify import verify_files
 from statereg.errors import (
     CheckpointDeletedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
 from statereg.schemas.manifest import FileRecord
+
+logger = logging.getLogger("statereg")
 
 # How often a save looks for a base again when retention uncommits the one it found.
 _BASE_ATTEMPTS = 3
@@ -59,14 +68,11 @@ def hold_previous(backend: StorageBackend, claim: Claim) -> Committed | None:
 
 def check_references(backend: StorageBackend, previous: Committed,
                      references: list[FileRecord]) -> None:
-    """Before commit: every referenced file still exists with its recorded size, and the
-    files reused for the first time (the previous checkpoint's own) match their checksums.
+    """Before commit: every referenced file still exists with its recorded size.
 
-    The sizes take one listing per directory. Reading a file the first time it is reused
-    stops bit rot from spreading: a damaged base would otherwise be referenced by every
-    later checkpoint, unread, since unchanged items are matched by the previous manifest's
-    digests. Each file is read at most once in its life this way: the next save references
-    it through a checkpoint that already checked it.
+    The sizes take one listing per directory. Their contents were checked when this save
+    chose to reference them (`reuse_index` reads each file whole first); this catches a
+    file deleted or replaced since, by another job or by hand.
     """
     by_dir: dict[str, list[FileRecord]] = defaultdict(list)
     for record in references:
@@ -85,26 +91,68 @@ def check_references(backend: StorageBackend, previous: Committed,
             if size != record.size:
                 raise CorruptCheckpointError(
                     f"{backend.display(record.path)} has {size} bytes, {record.size} recorded; "
-                    "this incremental save references it, so nothing was committed. The base "
-                    f"checkpoint is damaged: delete {record.path.split('/', 1)[0]} and save again"
+                    "this incremental save references it (through "
+                    f"{previous.name}), so nothing was committed: save again (the next save "
+                    "writes the tensors itself)"
                 )
-    for record in references:
-        if not record.path.startswith(f"{previous.name}/"):
-            continue  # reused before: checked when the previous checkpoint was saved
-        hasher = new_hasher()
-        hasher.update(backend.read_bytes(record.path))
-        if checksum_of(hasher) != record.checksum:
-            raise CorruptCheckpointError(
-                f"{backend.display(record.path)}: checksum {checksum_of(hasher)} differs from "
-                f"{record.checksum} recorded by {previous.name}; this incremental save would "
-                "reference the damaged file, so nothing was committed. Delete "
-                f"{previous.name} (it does not load either) and save again"
-            )
+
+
+class VerifiedReuse(Mapping[str, Reusable]):
+    """The items an incremental save may reference, each offered only once the file that
+    holds it was read whole and matched its recorded size and checksum.
+
+    Checked lazily, once per file per save, when the DCP writer first asks for an item of
+    it (backends/dcp_io.py, BackendWriter._reference_unchanged): a rank reads only files it
+    references. A file that fails is not referenced: its items look absent, so the writer
+    writes those tensors from memory, and the save commits a checkpoint that loads.
+    """
+
+    def __init__(self, backend: StorageBackend, previous: Committed,
+                 items: dict[str, Reusable]) -> None:
+        self._backend = backend
+        self._previous = previous
+        self._items = items
+        self._records = {f.path: f for f in previous.manifest.root_files(previous.name)}
+        self._sound: dict[str, bool] = {}
+
+    def __getitem__(self, key: str) -> Reusable:
+        item = self._items[key]
+        sound = self._sound.get(item.path)
+        if sound is None:
+            sound = self._sound[item.path] = self._check(item.path)
+        if not sound:
+            raise KeyError(key)
+        return item
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _check(self, path: str) -> bool:
+        record = self._records.get(path)
+        if record is None:  # DCP metadata naming a file the manifest does not list
+            logger.warning("%s is not among the files %s records; this incremental save "
+                           "writes the tensors stored there itself",
+                           self._backend.display(path), self._previous.name)
+            return False
+        try:
+            verify_files(self._backend, "", [record], "full")
+        except CorruptCheckpointError as exc:
+            logger.warning("this incremental save does not reference a damaged file: it "
+                           "writes the tensors stored there itself (%s). Checkpoints that "
+                           "reference the file do not load: `statereg verify` names them",
+                           exc)
+            return False
+        return True
 
 
 def reuse_index(backend: StorageBackend, previous: Committed | None,
-                dcp_dir: str) -> dict[str, Reusable]:
-    """Items of `previous` under `dcp_dir` that a new save may reference, by item key."""
+                dcp_dir: str) -> Mapping[str, Reusable]:
+    """Items of `previous` under `dcp_dir` that a new save may reference, by item key; each
+    is offered only after its file was verified whole (VerifiedReuse). A `.metadata` that
+    does not match its recorded checksum offers nothing: the save writes every tensor."""
     if previous is None:
         return {}
     prefix = f"{dcp_dir}/"
@@ -114,7 +162,18 @@ def reuse_index(backend: StorageBackend, previous: Committed | None,
         return {}
     where = f"{previous.name}/{dcp_dir}"
     meta_path = f"{where}/{METADATA_NAME}"
-    metadata = load_dcp_metadata(backend.read_bytes(meta_path), backend.display(meta_path))
+    data = backend.read_bytes(meta_path)
+    record = next((f for f in previous.manifest.files if f.path == f"{dcp_dir}/{METADATA_NAME}"),
+                  None)
+    if record is not None:
+        hasher = new_hasher()
+        hasher.update(data)
+        if len(data) != record.size or checksum_of(hasher) != record.checksum:
+            logger.warning("%s does not match the size and checksum %s records; this "
+                           "incremental save writes every tensor of %s itself",
+                           backend.display(meta_path), previous.name, dcp_dir)
+            return {}
+    metadata = load_dcp_metadata(data, backend.display(meta_path))
     found = {}
     checksums = item_checksums(metadata)
     for index, info in metadata.storage_data.items():
@@ -126,7 +185,7 @@ def reuse_index(backend: StorageBackend, previous: Committed | None,
                 offset=info.offset, length=info.length,
                 transforms=tuple(info.transform_descriptors or ()),
                 checksum=checksums.get(index))
-    return found
+    return VerifiedReuse(backend, previous, found)
 
 
 def reference_records(previous: Committed | None, referenced: set[str]) -> list[FileRecord]:

@@ -1,21 +1,30 @@
 """Retention: which committed checkpoints the save rules keep, and deleting the rest.
 
-Files of a deleted checkpoint that a kept incremental checkpoint references stay.
+Only intact checkpoints count and only intact ones are deleted; files of a deleted
+checkpoint that a kept incremental checkpoint references stay, and what an earlier
+retention could not finish is finished by the next one.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from statereg.backends.base import StorageBackend
 from statereg.engine.checkpoints import (
     Committed,
+    RootScan,
     read_latest,
     referenced_files,
     scan_root,
+    step_of,
 )
-from statereg.engine.claims import reserved_checkpoints, uncommitted_names
-from statereg.errors import StorageError
+from statereg.engine.claims import (
+    claim_checkpoint,
+    reserved_checkpoints,
+    uncommitted_names,
+)
+from statereg.errors import CheckpointExistsError, StorageError
 from statereg.schemas.manifest import MANIFEST_NAME
 from statereg.schemas.spec import SaveSpec
 
@@ -45,6 +54,13 @@ def kept_names(committed: list[Committed], save: SaveSpec, latest: str | None) -
     return keep
 
 
+RETIRED_NAME = ".retired"
+"""Written into a checkpoint directory just before retention removes its manifest, removed
+with the last of its files: a directory with it and without a manifest is what a retention
+left (interrupted, or keeping files a kept checkpoint references), and the next retention
+deletes what of it nothing needs any more."""
+
+
 def _remove(backend: StorageBackend, path: str) -> None:
     """Delete one file; one that is already gone (another process's retention, two jobs on
     one root) is not an error. Some stores report a missing file as a failed delete."""
@@ -55,29 +71,108 @@ def _remove(backend: StorageBackend, path: str) -> None:
             raise
 
 
+@dataclass(frozen=True)
+class _Needed:
+    """What retention must not delete, learnt after the manifests of doomed checkpoints are
+    gone: the files readable manifests (kept, damaged, reserved) reference, and the highest
+    step of a checkpoint a live incremental save reuses whose manifest is already gone (its
+    references are unknown: everything of its step or lower stays while that save runs)."""
+
+    files: set[str]
+    held_below: int | None
+    holder: str | None
+
+    def blocks(self, name: str) -> bool:
+        step = step_of(name)
+        return self.held_below is not None and step is not None and step <= self.held_below
+
+
+def _needed(backend: StorageBackend, scan: RootScan, doomed: set[str]) -> _Needed:
+    by_name = {c.name: c for c in scan.committed}
+    reserved = reserved_checkpoints(backend, uncommitted_names(backend, by_name))
+    files = referenced_files(c for c in scan.committed if c.name not in doomed)
+    for name in reserved & set(by_name):
+        files |= {f.path for f in by_name[name].manifest.root_files(name)}
+    gone = sorted((n for n in reserved - set(by_name) if step_of(n) is not None), key=step_of)
+    return _Needed(files, step_of(gone[-1]) if gone else None, gone[-1] if gone else None)
+
+
+def _delete_unneeded(backend: StorageBackend, name: str, needed: _Needed) -> bool:
+    """Delete the files of retired checkpoint `name` that nothing needs; True if the whole
+    directory went. One that holds needed files keeps its marker, so a later retention
+    looks at it again once they are not needed any more."""
+    if needed.blocks(name):
+        logger.info("retention keeps the files of %s for now: a running incremental save "
+                    "reuses %s, whose references are unknown", backend.display(name),
+                    needed.holder)
+        return False
+    if any(path.startswith(f"{name}/") for path in needed.files):
+        for stored in backend.walk(name):
+            if stored.path not in needed.files and \
+                    stored.path != f"{name}/{RETIRED_NAME}":
+                _remove(backend, stored.path)
+        return False
+    backend.remove_tree(name)
+    return True
+
+
+def _retry_retired(backend: StorageBackend, scan: RootScan, doomed: set[str],
+                   needed: _Needed) -> list[str]:
+    """Finish what an earlier retention left (it failed or was killed after removing a
+    manifest), and files kept for references that nothing needs any more: directories
+    without a manifest that hold RETIRED_NAME. Each is claimed as gc claims one, so a save
+    of that step that starts meanwhile is refused rather than losing files."""
+    known = {c.name for c in scan.committed} | set(scan.unreadable) | doomed
+    finished = []
+    for name in uncommitted_names(backend, known):
+        if RETIRED_NAME not in backend.list_dir(name) or scan.might_reference(name) \
+                or needed.blocks(name):
+            continue
+        if any(path.startswith(f"{name}/") for path in needed.files):
+            _delete_unneeded(backend, name, needed)  # a saver of this step is refused there
+            continue
+        try:
+            claim = claim_checkpoint(backend, name, purpose="gc")
+        except CheckpointExistsError as exc:  # a save holds it, or committed it meanwhile
+            logger.debug("retention leaves %s: %s", backend.display(name), exc)
+            continue
+        try:
+            backend.remove_tree(name)  # the claim last of all
+        finally:
+            claim.release()
+        finished.append(name)
+    return finished
+
+
 def apply_retention(backend: StorageBackend, save: SaveSpec, saved: str | None = None,
                     ) -> list[str]:
     """Delete committed checkpoints no rule keeps, nor is `saved` (the checkpoint the save
     that runs retention just wrote, even when its step is lower); returns their names.
 
-    Only checkpoints that would load count (their manifest matches manifest.sum and
-    parses): a damaged newer one never pushes an intact older one out, and is itself never
-    deleted (it is reported by `statereg gc`). Files are kept when a kept checkpoint
-    references them, when a live incremental save may reference them (its claim says so),
-    or when an unreadable manifest of the same or a higher step might (docs/reliability.md).
+    Only intact checkpoints count: their manifest matches manifest.sum and parses, and
+    every file it records (their own and those they reference) is listed with its recorded
+    size. A damaged newer one never pushes an intact older one out, and is itself never
+    deleted (`statereg gc` and `verify` report it). Files are kept when a readable
+    checkpoint that stays (kept or damaged) references them, when a live incremental save
+    may reference them (its claim says so), or when an unreadable manifest of the same or
+    a higher step might (docs/reliability.md).
 
-    The manifests go first, so an interrupted delete leaves uncommitted directories (which
-    are ignored, and `statereg gc` removes), never a manifest that points at missing files.
-    Claims are read only after that: a save that claims later finds its base uncommitted
-    and does not reference it (engine/incremental.py, hold_previous).
+    Each doomed checkpoint is marked (RETIRED_NAME), then the manifests go first, so an
+    interrupted or failed delete leaves uncommitted, marked directories (which readers
+    ignore), never a manifest that points at missing files; the next retention, or
+    `statereg gc`, deletes what of them nothing needs. Claims are read only after the
+    manifests are gone: a save that claims later finds its base uncommitted and does not
+    reference it (engine/incremental.py, hold_previous).
+
+    Cost: one manifest read and one listing per checkpoint directory, one listing per
+    directory without a manifest, and one more listing per marked one.
     """
     if save.keep_last is None:  # nothing to delete: spare reading every manifest
         return []
-    scan = scan_root(backend)
-    committed = scan.committed
-    keep = kept_names(committed, save, read_latest(backend)) | ({saved} if saved else set())
+    scan = scan_root(backend, check_files=True)
+    keep = kept_names(scan.intact, save, read_latest(backend)) | ({saved} if saved else set())
     doomed = []
-    for ckpt in committed:
+    for ckpt in scan.intact:
         if ckpt.name in keep:
             continue
         reader = scan.might_reference(ckpt.name)
@@ -88,20 +183,15 @@ def apply_retention(backend: StorageBackend, save: SaveSpec, saved: str | None =
                 backend.display(ckpt.name), backend.display(reader), scan.unreadable[reader],
                 ckpt.name, reader)
             continue
-        doomed.append(ckpt)
-    for ckpt in doomed:
-        _remove(backend, f"{ckpt.name}/{MANIFEST_NAME}")
-    by_name = {c.name: c for c in committed}
-    reserved = reserved_checkpoints(backend, uncommitted_names(backend, by_name))
-    needed = referenced_files(c for c in committed if c.name in keep)
-    for name in reserved & set(by_name):
-        needed |= {f.path for f in by_name[name].manifest.root_files(name)}
-    for ckpt in doomed:
-        if any(path.startswith(f"{ckpt.name}/") for path in needed):
-            for stored in backend.walk(ckpt.name):
-                if stored.path not in needed:
-                    _remove(backend, stored.path)
-        else:
-            backend.remove_tree(ckpt.name)
-        logger.debug("retention deleted %s", backend.display(ckpt.name))
-    return [c.name for c in doomed]
+        doomed.append(ckpt.name)
+    for name in doomed:
+        backend.write_bytes(f"{name}/{RETIRED_NAME}", b"")
+        _remove(backend, f"{name}/{MANIFEST_NAME}")
+    needed = _needed(backend, scan, set(doomed))
+    for name in doomed:
+        _delete_unneeded(backend, name, needed)
+        logger.debug("retention deleted %s", backend.display(name))
+    for name in _retry_retired(backend, scan, set(doomed), needed):
+        logger.info("retention removed %s, which an earlier retention left",
+                    backend.display(name))
+    return doomed

@@ -40,6 +40,7 @@ from statereg.engine.checkpoints import (
     checkpoint_name,
     list_committed,
     read_manifest_at,
+    scan_root,
     step_of,
 )
 from statereg.engine.copy import copy_checkpoint
@@ -455,7 +456,9 @@ class TierEngine:
         """This node's folder, step by step: the files its manifest lists, with their sizes
         (None when this node holds no manifest of that step that reads), and the files
         present, with their sizes. Paths are from the root (`step_N/...`)."""
-        committed = {c.step: c for c in list_committed(self.memory)}
+        # Every readable manifest, also one whose files are missing here (a peer may hold
+        # them): list_committed would skip it.
+        committed = {c.step: c for c in scan_root(self.memory).committed}
         found: dict[int, tuple[dict[str, int] | None, dict[str, int]]] = {}
         for entry in self.memory.list_dir(""):
             step = step_of(entry)

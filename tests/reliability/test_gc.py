@@ -10,9 +10,10 @@ import subprocess
 import sys
 import time
 
+import crash_driver
 import pytest
 from crash_driver import SINGLE_COMPONENTS, TinyState, declaration
-from reliability_kit import committed_names
+from reliability_kit import KILLED, committed_names, run_child
 
 import statereg
 from statereg.backends.registry import open_backend
@@ -162,6 +163,24 @@ def test_a_save_of_a_step_a_live_claim_holds_is_refused_naming_the_holder(store_
     mgr.save(step=2)
     assert committed_names(store_local.url, {}) == ["step_00000001", "step_00000002"]
     assert not [p for p in os.listdir(f"{store_local.url}/step_00000002") if "claim" in p]
+
+
+@pytest.mark.parametrize("store", BACKENDS, indirect=True)
+def test_the_next_retention_finishes_what_a_killed_retention_left(store, tmp_path):
+    """Issue 25, case 9: a retention killed after it uncommitted step 1 leaves its files;
+    the next save's retention deletes them (no gc needed)."""
+    marker = tmp_path / "reached"
+    code = run_child(crash_driver.single, store.url, store.options, "mid_retention",
+                     str(marker))
+    assert code == KILLED and marker.read_text() == "mid_retention"
+    assert "step_00000001/manifest.json" not in store.files()
+    assert [p for p in store.files() if p.startswith("step_00000001/")]
+
+    statereg.CheckpointManager(declaration(store.url, store.options, SINGLE_COMPONENTS, 1),
+                               **TinyState.trained(3).objects()).save(step=3)
+
+    assert not [p for p in store.files() if p.startswith("step_00000001/")]
+    assert committed_names(store.url, store.options) == ["step_00000003"]
 
 
 def test_gc_rejects_a_bad_grace_and_reports_an_empty_root(tmp_path, capsys):

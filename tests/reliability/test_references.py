@@ -175,6 +175,32 @@ def test_another_jobs_retention_keeps_the_files_a_running_save_reuses(store, mon
     assert_identical(loaded(store.url, store.options, 12), model.state_dict())
 
 
+def test_gc_keeps_the_base_a_running_save_reuses_after_another_retention_uncommitted_it(
+        store, monkeypatch):
+    """Issue 25, case 3: while step 12 reuses step 11, another job's retention uncommits
+    step 11 (keeping its files for the claim), then gc runs: it keeps them too."""
+    model, mine = manager(store.url, store.options)
+    mine.save(step=11)
+    train(model)
+    _, other = manager(store.url, store.options, seed=7, incremental=False, keep_last=1)
+    found: dict[str, str] = {}
+
+    def retention_then_gc() -> None:
+        other.save(step=20)
+        assert "step_00000011/manifest.json" not in store.files()
+        backend = open_backend(store.url, store.options)
+        found.update({f.path: f.action for f in collect_garbage(backend, delete=True,
+                                                                  grace_s=0)})
+
+    run_during_write(monkeypatch, retention_then_gc)
+    mine.save(step=12)
+
+    assert found["step_00000011"].startswith(
+        "keep: a running incremental save reuses step_00000011"), found
+    assert "step_00000011/model/__0_0.distcp" in store.files()
+    assert_identical(loaded(store.url, store.options, 12), model.state_dict())
+
+
 def test_a_save_whose_referenced_files_vanished_commits_nothing(store, monkeypatch):
     model, mine = manager(store.url, store.options)
     mine.save(step=11)
@@ -191,16 +217,30 @@ def test_a_save_whose_referenced_files_vanished_commits_nothing(store, monkeypat
     assert_identical(loaded(store.url, store.options, 13), model.state_dict())
 
 
-def test_a_damaged_base_is_caught_the_first_time_it_is_reused(store):
-    model, mgr = manager(store.url, store.options)
-    mgr.save(step=1)
+@pytest.mark.parametrize("flipped_after", [1, 2], ids=["before-first-reuse", "after-first-reuse"])
+def test_a_damaged_base_is_never_referenced_again_and_every_later_save_loads(
+        store, flipped_after, caplog):
+    """Issue 25, case 2: a byte of the base flips after the save of step `flipped_after`
+    (2: after step 2 already referenced it once). Every later save re-verifies what it
+    references, writes the base's tensors itself from memory, and loads bit for bit."""
+    model, mgr = manager(store.url, store.options, keep_last=3)
+    for n in range(1, flipped_after + 1):
+        train(model)
+        mgr.save(step=n)
     flip_byte(store, BASE)
-    train(model)
 
-    with pytest.raises(statereg.CorruptCheckpointError,
-                       match=r"step_00000001/model/__0_0\.distcp: checksum .* differs"):
-        mgr.save(step=2)
-    assert "step_00000002/manifest.json" not in store.files()
+    for n in range(flipped_after + 1, 6):
+        train(model)
+        manifest = statereg.verify(mgr.save(step=n), store.options)
+        assert not [r for r in manifest.references if r.path == BASE]
+        assert_identical(loaded(store.url, store.options, n), model.state_dict())
+
+    assert f"{BASE}: checksum" in caplog.text and "writes the tensors stored there itself" \
+        in caplog.text
+    # Only the first save after the damage wrote the base again; the next ones reference it.
+    first = f"step_{flipped_after + 1:08d}/"
+    assert [r.path for r in statereg.verify(f"{store.url}/step_00000005", store.options)
+            .references if r.path.startswith(first)]
 
 
 def test_a_base_uncommitted_just_before_the_claim_named_it_is_not_used(store, monkeypatch):
