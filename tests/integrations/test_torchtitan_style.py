@@ -22,10 +22,10 @@ from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from harness import run_ranks  # noqa: E402
+from harness import run_ranks
 
-import statereg  # noqa: E402
-from statereg.integrations.torchtitan import TitanCheckpointManager  # noqa: E402
+import statereg
+from statereg.integrations.torchtitan import TitanCheckpointManager
 
 VOCAB, DIM, SEQ = 32, 16, 8
 STEPS = 10
