@@ -61,7 +61,7 @@ def _reducer_parameters(ddp: Any) -> list[nn.Parameter]:
 
 
 def _parse_indices(text: str) -> list[list[int]]:
-    """'5 4, 3 2, 1 0' (DDP's logging of per-bucket parameter indices) -> [[5, 4], [3, 2], [1, 0]]."""
+    """DDP's logged per-bucket parameter indices, '5 4, 3 2, 1 0', as [[5, 4], [3, 2], [1, 0]]."""
     return [[int(i) for i in bucket.split()] for bucket in text.split(",") if bucket.strip()]
 
 
@@ -100,17 +100,25 @@ class DDPBucketLayout:
         return bool(self.ddp.find_unused_parameters) and not bool(self.ddp.static_graph)
 
     def state_dict(self) -> dict[str, Any]:
-        """The layout to restore: the rebuilt buckets' parameter indices, or the gradient ready
-        order of the first backward if the rebuild is still due (it happens at the next
-        forward), or nothing if no backward has run yet or the buckets are never rebuilt."""
+        """Where this DDP's reducer stands on its way to the rebuilt layout.
+
+        `rebuilt_buckets`: the rebuilt buckets' parameter indices, once rebuilt. Before that,
+        `iterations` (backward passes so far, which decide how far a new DDP must be driven)
+        and `ready_order`, the gradient ready order the rebuild will use, once recorded.
+        Nothing to restore when the buckets are never rebuilt (unused-parameter search in a
+        dynamic graph keeps the initial layout, which a new DDP has too).
+        """
         params = _reducer_parameters(self.ddp)
-        state: dict[str, Any] = {"version": _VERSION, "num_params": len(params),
+        state: dict[str, Any] = {"version": _VERSION, "num_params": len(params), "iterations": 0,
                                  "rebuilt_buckets": None, "ready_order": None}
         if self._never_rebuilds():
             return state
         data = self._logging(refresh=False)
         if not data.get("has_rebuilt_buckets"):
+            # Not rebuilt as of the last sampled iteration; every one of the first ten is
+            # sampled, so refreshing now reads the reducer as it is.
             data = self._logging(refresh=True)
+        state["iterations"] = int(data.get("iteration", 0))
         if data.get("has_rebuilt_buckets"):
             state["rebuilt_buckets"] = _parse_indices(str(data["rebuilt_per_bucket_param_indices"]))
         elif data.get("prev_iteration_grad_ready_order_indices"):
@@ -121,7 +129,7 @@ class DDPBucketLayout:
     # -- putting a new DDP into that layout ---------------------------------------------------
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Drive this (new) DDP into the saved layout; a no-op for a state with none."""
+        """Drive this (new) DDP as far as the saved one had gone towards its rebuilt layout."""
         if not isinstance(state, dict) or state.get("version") != _VERSION:
             raise CheckpointMismatchError(
                 f"DDPBucketLayout: the checkpoint's ddp state is {state!r}, not a version "
@@ -137,19 +145,29 @@ class DDPBucketLayout:
             )
         if self._never_rebuilds():
             return
+        # The reducer records the ready order in its first backward (static_graph: in its
+        # second, the first one only counts hooks), and rebuilds at the next forward.
+        recording_pass = 2 if self.ddp.static_graph else 1
         if state["rebuilt_buckets"] is not None:
             order = [i for bucket in state["rebuilt_buckets"] for i in bucket]
-        elif state["ready_order"] is not None:
-            order = list(state["ready_order"])
+            passes = recording_pass
         else:
-            return  # saved before DDP's first backward: the new DDP is where that one was
+            order = state["ready_order"] or list(reversed(range(len(params))))
+            passes = min(int(state["iterations"]), recording_pass)
+            if state["ready_order"] is None and passes >= recording_pass:
+                raise CheckpointMismatchError(
+                    f"DDPBucketLayout: the checkpoint records {state['iterations']} DDP "
+                    "iterations but no gradient ready order; it was not written by this "
+                    "component from a live DDP, exclude it"
+                )
         if sorted(order) != list(range(len(params))):
             raise CheckpointMismatchError(
                 f"DDPBucketLayout: the checkpoint's bucket layout {order} does not name each of "
                 f"the {len(params)} parameters once; it belongs to another model, exclude this "
                 "component"
             )
-        self._prime(params, order)
+        for _ in range(passes):
+            self._prime(params, order)
         if state["rebuilt_buckets"] is not None:
             self._rebuild_and_check(state["rebuilt_buckets"])
 
@@ -174,7 +192,7 @@ class DDPBucketLayout:
             assert loss is not None
             loss = ddp._post_forward(loss)
             loss.backward()
-        for p, grad in zip(params, saved_grads):
+        for p, grad in zip(params, saved_grads, strict=True):
             p.grad = grad
 
     def _rebuild_and_check(self, expected: list[list[int]]) -> None:
