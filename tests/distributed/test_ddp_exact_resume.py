@@ -157,3 +157,86 @@ def test_ddp_resume_at_4_ranks_is_bit_exact(
         rank, step = differing[0]
         assert math.isclose(float.fromhex(resumed[rank][step]),
                             float.fromhex(reference[rank][step]), rel_tol=1e-4)
+
+
+# -- the layout itself, from every point of DDP's way to its rebuilt buckets ----------------
+
+# Each DDP configuration, with the points a save can catch it at that lead to different
+# states: after the first backward (rebuild pending; static_graph: only hooks counted), after
+# the second (rebuilt; static_graph: rebuild pending) and the third (static_graph: rebuilt).
+CONFIGS: dict[str, tuple[dict, tuple[int, ...]]] = {
+    "default": ({}, (1, 2)),
+    "static_graph": ({"static_graph": True}, (1, 2, 3)),
+    "small buckets as views": ({"bucket_cap_mb": 0.02, "gradient_as_bucket_view": True}, (2,)),
+}
+STEPS = 6
+
+
+def _rewrapped_losses(rank: int, kwargs: dict, rewrap_at: int | None,
+                      carry_layout: bool) -> list[str]:
+    """STEPS steps of one process; at `rewrap_at` the model moves into a new DDP (what a
+    resume does), with the old wrapper's layout loaded into it if `carry_layout`."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    ddp = DistributedDataParallel(model, **kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = _corpus().tensors[0]
+    torch.manual_seed(100 + rank)  # each rank's own dropout stream
+    losses = []
+    for step in range(STEPS):
+        if step == rewrap_at:
+            state = DDPBucketLayout(ddp).state_dict()
+            ddp = DistributedDataParallel(model, **kwargs)
+            if carry_layout:
+                DDPBucketLayout(ddp).load_state_dict(state)
+        batch = data[(step * WORLD + rank) * BATCH:][:BATCH]
+        loss = F.cross_entropy(ddp(batch[:, :-1]).reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item().hex())
+    return losses
+
+
+def layouts(rank: int, world: int, out: str) -> None:
+    torch.use_deterministic_algorithms(True)
+    results: dict[str, list[bool]] = {}
+    for name, (kwargs, points) in CONFIGS.items():
+        reference = _rewrapped_losses(rank, kwargs, None, carry_layout=False)
+        results[name] = [_rewrapped_losses(rank, kwargs, at, carry_layout=True) == reference
+                         for at in points]
+        results[name + ", plain DDP"] = [
+            _rewrapped_losses(rank, kwargs, points[-1], carry_layout=False) == reference]
+    # A new DDP whose buckets cannot come out as saved is refused, naming both layouts.
+    torch.manual_seed(0)
+    model = TinyLM()
+    small = DistributedDataParallel(model, bucket_cap_mb=0.02)
+    batch = _corpus().tensors[0][:BATCH]
+    for _ in range(3):
+        small(batch[:, :-1]).sum().backward()
+    state = DDPBucketLayout(small).state_dict()
+    with pytest.raises(statereg.CheckpointMismatchError) as info:
+        DDPBucketLayout(DistributedDataParallel(model)).load_state_dict(state)
+    message = str(info.value)
+    assert "the new DDP's gradient buckets are '" in message
+    assert "construct DistributedDataParallel with the same arguments" in message
+    assert str(state["rebuilt_buckets"]) in message and len(state["rebuilt_buckets"]) > 1
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def test_a_new_ddp_gets_the_saved_layout_from_any_point(tmp_path: Path) -> None:
+    """Moving the model into a new DDP mid-run changes the losses at 4 ranks; loading the old
+    wrapper's layout into the new one keeps them bit-identical, whenever it was saved."""
+    run_ranks(WORLD, layouts, tmp_path, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for name in CONFIGS:
+        points = CONFIGS[name][1]
+        assert [results[name] for results in ranks] == [[True] * len(points)] * WORLD, name
+        # Some rank's losses differ (each rank's loss is its own batch's).
+        assert [False] in [results[name + ", plain DDP"] for results in ranks], name
+
+
+def test_only_a_ddp_wrapper_is_accepted() -> None:
+    with pytest.raises(statereg.SpecError, match="needs the DistributedDataParallel wrapper "
+                       "itself, got a TinyLM; pass the object DistributedDataParallel"):
+        DDPBucketLayout(TinyLM())
