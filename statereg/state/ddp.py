@@ -81,6 +81,13 @@ class DDPBucketLayout:
                 f"{type(ddp_model).__name__}; pass the object DistributedDataParallel(model) "
                 "returned (the model component takes the unwrapped module or the wrapper)"
             )
+        if getattr(ddp_model, "_use_python_reducer", False):
+            raise SpecError(
+                "DDPBucketLayout: this DistributedDataParallel reduces gradients in Python "
+                "(torch._dynamo.config.optimize_ddp = 'python_reducer'), "
+                "which has no bucket layout to carry over; drop the ddp component, or use the "
+                "default reducer"
+            )
         self.ddp = ddp_model
 
     # -- what DDP tells about its buckets ---------------------------------------------------
