@@ -233,7 +233,8 @@ def scan_root(backend: StorageBackend, check_files: bool = False) -> RootScan:
         for ckpt in found:
             damage = file_damage(backend, ckpt, listings)
             if damage is not None:
-                logger.warning("skipping %s: %s", backend.display(ckpt.name), damage)
+                logger.warning("skipping %s, which is damaged: %s", backend.display(ckpt.name),
+                               damage)
                 damaged[ckpt.name] = damage
     return RootScan(found, unreadable, damaged)
 
@@ -288,7 +289,7 @@ def latest_committed(backend: StorageBackend) -> Committed | None:
         damage = file_damage(backend, found, listings)
         if damage is None:
             return found
-        logger.warning("skipping %s: %s", backend.display(name), damage)
+        logger.warning("skipping %s, which is damaged: %s", backend.display(name), damage)
         damaged.append(damage)
     if damaged:
         raise damaged[0]
