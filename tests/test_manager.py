@@ -262,3 +262,33 @@ def test_a_path_that_names_no_checkpoint_is_refused_not_read_from_the_cwd(
         with pytest.raises(statereg.CheckpointNotFoundError, match="names no checkpoint"):
             mgr.load(path)
     assert mgr.load(".").step == 1  # '.' inside a checkpoint names that checkpoint
+
+
+# -- save() refuses what no manifest reader would read back (issue 25, case 5) -------------
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"step": 2**64}, r"save\(step=18446744073709551616\): step must be a non-negative int, "
+                      r"at most 2\*\*64-1"),
+    ({"step": 10**5000}, r"save\(step=<about 5001 digits>\)"),
+    ({"tokens_seen": 2**64 + 1}, r"save\(tokens_seen=18446744073709551617\): tokens_seen must "
+                                 r"be a non-negative int, at most 2\*\*64-1"),
+    ({"extra": {"n": 10**5000}}, r"holds the integer <about 5001 digits>, outside the 64-bit"),
+    ({"extra": {"n": -(2**63) - 1}}, r"holds the integer -9223372036854775809"),
+    ({"extra": {"by_id": {7: "x"}}}, r"holds the key 7 \(a dict key that is not a string\)"),
+])
+def test_save_refuses_values_no_manifest_reader_reads_back(tmp_path, make_spec, make_model,
+                                                           kwargs, message):
+    mgr = statereg.CheckpointManager(make_spec("model", save={"keep_last": 1}),
+                                     model=make_model())
+    mgr.save(step=1)
+    with pytest.raises(statereg.SpecError, match=message):
+        mgr.save(**{"step": 2, **kwargs})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_00000001"]
+    # The largest values a reader keeps exactly save, load and leave retention working.
+    big = 2**64 - 1
+    mgr.save(step=big, tokens_seen=big, extra={"lo": -(2**63), "hi": big})
+    assert [u.rsplit("/", 1)[1] for u in mgr.list()] == [f"step_{big}"]
+    result = statereg.CheckpointManager(make_spec("model"), model=make_model(1)).load()
+    assert (result.step, result.tokens_seen, result.extra) == (big, big,
+                                                               {"lo": -(2**63), "hi": big})
