@@ -331,35 +331,40 @@ def test_a_load_outside_the_runs_root_takes_its_own_storage_options_never_the_ru
         request, tmp_path, make_model, monkeypatch):
     """Pre-training on moto; the fine-tune's own root on local disk, then on SeaweedFS (another
     S3 server: another endpoint). The run's storage.options are for its own root only."""
-    from conftest import make_store
+    import uuid
+
+    from storage_servers import new_bucket, s3_options
 
     for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
                  "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name, raising=False)
-    pretrain = make_store("s3", request, tmp_path)
+    moto = s3_options(request.getfixturevalue("s3_server").endpoint)
+    pretrain_url = f"s3://{new_bucket(request.getfixturevalue('s3_admin'))}/pretrain"
     weights = make_model(3)
-    url = statereg.CheckpointManager(model_spec(pretrain.url, pretrain.options),
+    url = statereg.CheckpointManager(model_spec(pretrain_url, moto),
                                      model=weights).save(step=7)
-    seaweed = make_store("seaweedfs", request, tmp_path)
-    runs = {"local": (str(tmp_path / "finetune"), {}), "seaweedfs": (seaweed.url, seaweed.options)}
+    seaweed = s3_options(request.getfixturevalue("seaweedfs_server").endpoint)
+    seaweed_url = (f"s3://{request.getfixturevalue('seaweedfs_bucket')}/"
+                   f"finetune-{uuid.uuid4().hex[:12]}")
+    runs = {"local": (str(tmp_path / "finetune"), {}), "seaweedfs": (seaweed_url, seaweed)}
     for kind, (root, options) in runs.items():
         fresh = make_model(4)
         mgr = statereg.CheckpointManager(model_spec(root, options), model=fresh)
-        result = mgr.load(url, storage_options=pretrain.options)
+        result = mgr.load(url, storage_options=moto)
         assert result is not None and result.step == 7, kind
         for key, value in weights.state_dict().items():
             assert torch.equal(fresh.state_dict()[key], value), (kind, key)
-        assert mgr.peek(url, storage_options=pretrain.options).step == 7
+        assert mgr.peek(url, storage_options=moto).step == 7
         mgr.save(step=8)  # the run's own root still takes the run's options
         assert mgr.list() == [f"{root}/step_00000008"]
     with pytest.raises(statereg.SpecError, match=r"storage_options=.*outside this run's root"):
-        mgr.load(step=8, storage_options=pretrain.options)
+        mgr.load(step=8, storage_options=moto)
     # Without storage_options, the other root opens with the environment's defaults, never
     # with the run's options (those name SeaweedFS's endpoint: moto's bucket is not there).
-    monkeypatch.setenv("AWS_ENDPOINT_URL", pretrain.options["client_kwargs"]["endpoint_url"])
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", pretrain.options["key"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", pretrain.options["secret"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto["client_kwargs"]["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", moto["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", moto["secret"])
     fresh = make_model(5)
-    mgr = statereg.CheckpointManager(model_spec(seaweed.url, seaweed.options), model=fresh)
+    mgr = statereg.CheckpointManager(model_spec(seaweed_url, seaweed), model=fresh)
     assert mgr.load(url).step == 7
     assert torch.equal(fresh.fc1.weight, weights.fc1.weight)
