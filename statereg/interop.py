@@ -25,7 +25,7 @@ from statereg.backends.checksum import VerifiedReads
 from statereg.backends.dcp_io import METADATA_NAME
 from statereg.backends.registry import open_backend, url_scheme
 from statereg.engine.inspect import open_checkpoint, split_checkpoint_url
-from statereg.engine.load import KeyReport, LoadResult, read_records
+from statereg.engine.load import KeyReport, LoadResult, missing_as_damage, read_records
 from statereg.engine.report import format_bytes, format_table
 from statereg.engine.world import World, attempt, raise_own
 from statereg.errors import CheckpointMismatchError, CheckpointNotFoundError, SpecError
@@ -221,6 +221,20 @@ def describe_foreign(url: str, options: dict[str, Any] | None = None) -> str:
     return "\n".join(lines)
 
 
+def _read_config(config: str | os.PathLike[str]) -> bytes:
+    """The bytes of the config.json to copy beside the weights; SpecError naming the path if
+    it is missing, a directory or unreadable (checked before any shard is written)."""
+    path = Path(config)
+    try:
+        if path.is_dir() or (path.exists() and not path.is_file()):  # a FIFO would block
+            raise SpecError(f"--config {os.fspath(config)!r} is not a regular file; give the "
+                            "model's config.json file itself")
+        return path.read_bytes()
+    except OSError as exc:
+        raise SpecError(f"--config {os.fspath(config)!r} cannot be read "
+                        f"({exc.strerror or exc}); give the model's config.json") from None
+
+
 @dataclass(frozen=True)
 class Export:
     """What export_hf wrote."""
@@ -245,6 +259,8 @@ def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | Non
     if dtype is not None and dtype not in DTYPES:
         raise SpecError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     limit = parse_size(max_shard_size)
+    # Read before anything is written: a bad --config must not leave shards behind.
+    config_bytes = None if config is None else _read_config(config)
     backend, ckpt = open_checkpoint(url, options)
     models = [n for n, c in ckpt.manifest.components.items() if c.kind == "model"]
     if component is None and len(models) != 1:
@@ -273,14 +289,15 @@ def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | Non
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
         tensors, error = attempt(source.read, names)
+        error = missing_as_damage(error, f"reading {backend.display(directory)}")
         if error is not None:  # DCP wraps a damaged item's CorruptCheckpointError: unwrap it
             raise_own(error, f"reading {backend.display(directory)}", 0)
         return tensors
 
     write_safetensors(target, "", source.metas, read, limit,
                       lambda f: written.append(f.path), writes=True, dtype=cast)
-    if config is not None:
-        target.write_bytes("config.json", Path(config).read_bytes())
+    if config_bytes is not None:
+        target.write_bytes("config.json", config_bytes)
         written.append("config.json")
     size = sum(nbytes(m) for m in cast_metas(source.metas, cast).values())
     return Export(target.display(), tuple(sorted(written)), len(source.metas), size)

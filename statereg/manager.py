@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import Any
 
 from statereg.backends.base import StorageBackend
-from statereg.backends.registry import open_backend, url_scheme
+from statereg.backends.registry import open_backend
 from statereg.declaration import load_spec
 from statereg.engine.cadence import Cadence, CadenceReport
 from statereg.engine.checkpoints import (
@@ -36,6 +36,7 @@ from statereg.errors import (
     CorruptCheckpointError,
     SpecError,
     StateregError,
+    StorageError,
 )
 from statereg.interop import ForeignKind, detect_foreign, load_foreign
 from statereg.schemas.spec import RegistrySpec
@@ -86,6 +87,25 @@ class _DeferredLoad:
 
     def __hash__(self) -> int:
         return hash((id(self.backend), self.committed.name))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _fallback_failed(backend: StorageBackend, tried: list[tuple[str, StateregError]],
+                     ) -> CorruptCheckpointError:
+    """The error of a resume that fell back past a damaged newest checkpoint and found no
+    older one to use: the newest's damage first, then why each older one was not used."""
+    (newest, damage), *older = tried
+    reasons = "; ".join(f"{backend.display(name)}: {_first_line(exc)}" for name, exc in older)
+    return CorruptCheckpointError(
+        f"{backend.display(newest)} is damaged ({_first_line(damage)}), and no older "
+        f"checkpoint could be loaded instead ({reasons}). Nothing to resume from: repair "
+        "the damaged checkpoint, or load an older one by step with the components it holds "
+        "(exclude=[...])"
+    )
 
 
 class CheckpointManager:
@@ -205,14 +225,22 @@ class CheckpointManager:
 
     # -- loading ------------------------------------------------------------------------
 
-    def _backend_for(self, root: str) -> StorageBackend:
-        same_scheme = url_scheme(root) == url_scheme(self._backend.url)
-        candidate = open_backend(root, self.spec.storage.options if same_scheme else None)
+    def _backend_for(self, root: str, options: dict[str, Any] | None = None,
+                     ) -> StorageBackend:
+        """The store of a checkpoint URL's `root`: this run's own backend (its
+        storage.options) for a URL under storage.url; any other root opens with `options`
+        (load(storage_options=...)), else with none (the environment's defaults). The run's
+        storage.options are never sent to another root: they may be another bucket's, another
+        endpoint's, or credentials meant for this store only."""
+        if options is not None:
+            return open_backend(root, options)
+        candidate = open_backend(root, {})
         if (type(candidate), candidate.root) == (type(self._backend), self._backend.root):
             return self._backend
         return candidate
 
     def _resolve(self, path: str | os.PathLike[str] | None, step: int | None,
+                 options: dict[str, Any] | None = None,
                  ) -> tuple[StorageBackend, Committed] | None:
         """The checkpoint to load and its manifest. Collective: rank 0 lists the root and reads
         the manifest (and manifest.sum), every rank receives them, so the job reads them once
@@ -224,8 +252,18 @@ class CheckpointManager:
             found = self.world.from_leader(self._find_here, path, step)
             return None if found is None else (backend, found)
         root, name = split_checkpoint_url(os.fspath(path))
-        backend = self._backend_for(root)
-        return backend, Committed(name, self.world.from_leader(read_manifest_at, backend, name))
+        backend = self._backend_for(root, options)
+        try:
+            manifest = self.world.from_leader(read_manifest_at, backend, name)
+        except StorageError as exc:
+            if backend is self._backend or options is not None:
+                raise
+            raise StorageError(
+                f"{exc}. {root} is outside this run's root ({self._backend.url}), so the "
+                "run's storage.options were not used for it: pass its own with "
+                "mgr.load(url, storage_options={...})"
+            ) from exc
+        return backend, Committed(name, manifest)
 
     def _find_here(self, path: str | os.PathLike[str] | None, step: int | None,
                    ) -> Committed | None:
@@ -245,21 +283,21 @@ class CheckpointManager:
         text = os.fspath(path)  # a bare checkpoint name under our root
         return Committed(text, read_manifest_at(self._backend, text))
 
-    def _foreign(self, path: str | os.PathLike[str],
+    def _foreign(self, path: str | os.PathLike[str], options: dict[str, Any] | None = None,
                  ) -> tuple[StorageBackend, str, ForeignKind] | None:
         """A directory without a manifest that holds safetensors files or plain DCP."""
         text = os.fspath(path)
         if step_of(text) is not None:
             return None
         root, name = split_checkpoint_url(text)
-        backend = self._backend_for(root)
+        backend = self._backend_for(root, options)
         kind = detect_foreign(backend, name)
         return None if kind is None else (backend, name, kind)
 
     def load(self, path: str | os.PathLike[str] | None = None, *, step: int | None = None,
              exclude: list[str] | None = None, include: list[str] | None = None,
              profile: str | None = None, strict: bool = True, verify: VerifyMode = "fast",
-             ) -> LoadResult | None:
+             storage_options: dict[str, Any] | None = None) -> LoadResult | None:
         """Restore a checkpoint (default: the latest committed one); None if there is none.
 
         `exclude`/`include`/`profile` choose components (e.g. a fine-tune loads the model
@@ -274,7 +312,15 @@ class CheckpointManager:
         were overwritten: a resume (no path, no step) then loads the next older intact
         checkpoint, which overwrites them all again; otherwise the error is raised and save()
         refuses until a load restores those components (docs/reliability.md).
+
+        `storage_options`: fsspec options for a `path` outside this run's root (e.g. the
+        pre-training run's bucket, on another endpoint or with other credentials). Such a
+        path never gets the run's own storage.options; without `storage_options` it opens
+        with the environment's defaults (docs/fine-tuning.md).
         """
+        if storage_options is not None and (path is None or step is not None):
+            raise SpecError("load(storage_options=...) is for a path outside this run's root; "
+                            "this run's own checkpoints use storage.options")
         if verify not in ("off", "fast", "full"):
             raise SpecError(f"load(verify={verify!r}): use 'off', 'fast' or 'full'")
         exclude = list(exclude or [])
@@ -300,9 +346,9 @@ class CheckpointManager:
                                    nearest[0].display(nearest[1].name), exc)
                     unusable.add(nearest[1].manifest.step)
         try:
-            resolved = self._resolve(path, step)
+            resolved = self._resolve(path, step, storage_options)
         except CheckpointNotFoundError:
-            foreign = None if path is None else self._foreign(path)
+            foreign = None if path is None else self._foreign(path, storage_options)
             if foreign is None:
                 raise
             kinds = {name: comp.kind for name, comp in self.spec.components.items()}
@@ -313,13 +359,17 @@ class CheckpointManager:
                 logger.info("no checkpoint under %s: starting fresh", self._backend.url)
             return None
         backend, committed = resolved
+        # A resume's fallbacks so far, newest first: (checkpoint, why it was not used).
+        passed: list[tuple[str, StateregError]] = []
         while True:
             try:
                 return self._load_committed(backend, committed, include, exclude, strict,
                                             verify)
-            except CheckpointDeletedError:
+            except CheckpointDeletedError as exc:
                 if path is not None or step is not None:
                     raise  # the caller named this checkpoint: say it is gone
+                if passed:  # the one we fell back to went: say so, after the damage
+                    raise _fallback_failed(backend, [*passed, (committed.name, exc)]) from exc
                 # A resume: the newest checkpoint was retired under us; take the newest now.
                 logger.warning("%s was deleted while loading; loading the newest checkpoint "
                                "now", backend.display(committed.name))
@@ -328,14 +378,23 @@ class CheckpointManager:
             except CorruptCheckpointError as exc:
                 if path is not None or step is not None:
                     raise  # the caller named this checkpoint: it is damaged
+                passed.append((committed.name, exc))
                 older = self._older_intact(committed)
                 if older is None:
-                    raise
+                    if len(passed) == 1:
+                        raise
+                    raise _fallback_failed(backend, passed) from exc
                 # Loads the same components, so it overwrites whatever the failed one touched.
                 logger.warning("%s is damaged (%s); resuming from %s instead",
                                backend.display(committed.name), exc,
                                backend.display(older.name))
                 committed = older
+            except StateregError as exc:
+                if not passed:
+                    raise
+                # An older checkpoint we fell back to cannot be used (e.g. it lacks a
+                # component): the error the caller needs first is the newest one's damage.
+                raise _fallback_failed(backend, [*passed, (committed.name, exc)]) from exc
 
     def _load_committed(self, backend: StorageBackend, committed: Committed,
                         include: list[str] | None, exclude: list[str], strict: bool,
@@ -460,13 +519,14 @@ class CheckpointManager:
             )
         return None
 
-    def peek(self, url: str | os.PathLike[str] | None = None) -> CheckpointInfo | None:
+    def peek(self, url: str | os.PathLike[str] | None = None, *,
+             storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
         """Step, tokens and extra of a checkpoint (default: latest) without loading tensors.
 
         Collective under torch.distributed, as load() is: rank 0 reads the manifest and every
         rank receives it (call it on every rank)."""
         self.wait()
-        resolved = self._resolve(url, None)
+        resolved = self._resolve(url, None, storage_options)
         if resolved is None:
             return None
         backend, committed = resolved

@@ -573,3 +573,20 @@ def test_plan_counts_the_peer_replica_when_one_is_declared(
     assert main(["plan", str(yaml_file), "--state-bytes", "1GB"]) == 0
     assert "peer replica:    to: next_node (one node: no peer to hold it; give --nodes)" in \
         capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config", ["missing.json", "a-directory", "a-fifo"])
+def test_export_hf_refuses_a_bad_config_before_writing_any_shard(
+        committed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], config: str) -> None:
+    """Issue 25, case 6(e): a missing or non-file --config once raised a traceback after the
+    shards were written."""
+    (tmp_path / "a-directory").mkdir()
+    os.mkfifo(tmp_path / "a-fifo")
+    out = tmp_path / "hf-out"
+    code = main(["export-hf", str(committed / "step_00000010"), str(out), "--config",
+                 str(tmp_path / config)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("statereg export-hf: error: --config ")
+    assert str(tmp_path / config) in err
+    assert not out.exists() or not any(out.iterdir())

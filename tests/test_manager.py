@@ -262,3 +262,109 @@ def test_a_path_that_names_no_checkpoint_is_refused_not_read_from_the_cwd(
         with pytest.raises(statereg.CheckpointNotFoundError, match="names no checkpoint"):
             mgr.load(path)
     assert mgr.load(".").step == 1  # '.' inside a checkpoint names that checkpoint
+
+
+# -- save() refuses what no manifest reader would read back (issue 25, case 5) -------------
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"step": 2**64}, r"save\(step=18446744073709551616\): step must be a non-negative int, "
+                      r"at most 2\*\*64-1"),
+    ({"step": 10**5000}, r"save\(step=<about 5001 digits>\)"),
+    ({"tokens_seen": 2**64 + 1}, r"save\(tokens_seen=18446744073709551617\): tokens_seen must "
+                                 r"be a non-negative int, at most 2\*\*64-1"),
+    ({"extra": {"n": 10**5000}}, r"holds the integer <about 5001 digits>, outside the 64-bit"),
+    ({"extra": {"n": -(2**63) - 1}}, r"holds the integer -9223372036854775809"),
+    ({"extra": {"by_id": {7: "x"}}}, r"holds the key 7 \(a dict key that is not a string\)"),
+])
+def test_save_refuses_values_no_manifest_reader_reads_back(tmp_path, make_spec, make_model,
+                                                           kwargs, message):
+    mgr = statereg.CheckpointManager(make_spec("model", save={"keep_last": 1}),
+                                     model=make_model())
+    mgr.save(step=1)
+    with pytest.raises(statereg.SpecError, match=message):
+        mgr.save(**{"step": 2, **kwargs})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_00000001"]
+    # The largest values a reader keeps exactly save, load and leave retention working.
+    big = 2**64 - 1
+    mgr.save(step=big, tokens_seen=big, extra={"lo": -(2**63), "hi": big})
+    assert [u.rsplit("/", 1)[1] for u in mgr.list()] == [f"step_{big}"]
+    result = statereg.CheckpointManager(make_spec("model"), model=make_model(1)).load()
+    assert (result.step, result.tokens_seen, result.extra) == (big, big,
+                                                               {"lo": -(2**63), "hi": big})
+
+
+# -- a resume that falls back says why, newest first (issue 25, case 7) --------------------
+
+
+def test_a_resume_past_a_damaged_newest_into_an_older_one_lacking_a_component_names_both(
+        tmp_path, make_spec, make_model):
+    model = make_model()
+    statereg.CheckpointManager(make_spec("model"), model=model).save(step=1)
+    both = make_spec("model", "optimizer")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    statereg.CheckpointManager(both, model=model, optimizer=optimizer).save(step=2)
+    damaged = tmp_path / "ckpt" / "step_00000002" / "model" / "__0_0.distcp"
+    damaged.write_bytes(damaged.read_bytes()[:-8])
+
+    fresh = make_model(1)
+    mgr = statereg.CheckpointManager(both, model=fresh,
+                                     optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1))
+    with pytest.raises(statereg.CorruptCheckpointError) as info:
+        mgr.load()
+    message = str(info.value)
+    newest, older = message.index("step_00000002 is damaged"), message.index("step_00000001:")
+    assert newest < older
+    assert "__0_0.distcp" in message[:older]  # the newest's damage, named first
+    assert "has no component 'optimizer'" in message[older:]  # then why the older was no use
+    assert "exclude=" in message
+
+
+# -- a checkpoint outside the run's root takes its own storage options (issue 25, case 10) --
+
+
+def model_spec(url: str, options: dict) -> dict:
+    return {"storage": {"url": url, "options": options}, "components": {"model": {"kind": "model"}}}
+
+
+def test_a_load_outside_the_runs_root_takes_its_own_storage_options_never_the_runs(
+        request, tmp_path, make_model, monkeypatch):
+    """Pre-training on moto; the fine-tune's own root on local disk, then on SeaweedFS (another
+    S3 server: another endpoint). The run's storage.options are for its own root only."""
+    import uuid
+
+    from storage_servers import new_bucket, s3_options
+
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+                 "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    moto = s3_options(request.getfixturevalue("s3_server").endpoint)
+    pretrain_url = f"s3://{new_bucket(request.getfixturevalue('s3_admin'))}/pretrain"
+    weights = make_model(3)
+    url = statereg.CheckpointManager(model_spec(pretrain_url, moto),
+                                     model=weights).save(step=7)
+    seaweed = s3_options(request.getfixturevalue("seaweedfs_server").endpoint)
+    seaweed_url = (f"s3://{request.getfixturevalue('seaweedfs_bucket')}/"
+                   f"finetune-{uuid.uuid4().hex[:12]}")
+    runs = {"local": (str(tmp_path / "finetune"), {}), "seaweedfs": (seaweed_url, seaweed)}
+    for kind, (root, options) in runs.items():
+        fresh = make_model(4)
+        mgr = statereg.CheckpointManager(model_spec(root, options), model=fresh)
+        result = mgr.load(url, storage_options=moto)
+        assert result is not None and result.step == 7, kind
+        for key, value in weights.state_dict().items():
+            assert torch.equal(fresh.state_dict()[key], value), (kind, key)
+        assert mgr.peek(url, storage_options=moto).step == 7
+        mgr.save(step=8)  # the run's own root still takes the run's options
+        assert mgr.list() == [f"{root}/step_00000008"]
+    with pytest.raises(statereg.SpecError, match=r"storage_options=.*outside this run's root"):
+        mgr.load(step=8, storage_options=moto)
+    # Without storage_options, the other root opens with the environment's defaults, never
+    # with the run's options (those name SeaweedFS's endpoint: moto's bucket is not there).
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto["client_kwargs"]["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", moto["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", moto["secret"])
+    fresh = make_model(5)
+    mgr = statereg.CheckpointManager(model_spec(seaweed_url, seaweed), model=fresh)
+    assert mgr.load(url).step == 7
+    assert torch.equal(fresh.fc1.weight, weights.fc1.weight)

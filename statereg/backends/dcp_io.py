@@ -46,9 +46,12 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -138,7 +141,65 @@ def load_dcp_metadata(data: bytes, source: str) -> Metadata:
         ) from None
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{source}: not a DCP Metadata object")
+    defect = _metadata_defect(metadata)
+    if defect is not None:
+        raise CorruptCheckpointError(
+            f"{source}: DCP metadata is malformed ({defect}); the file is damaged or was not "
+            "written by torch.distributed.checkpoint"
+        )
     return metadata
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, torch.Size) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value)
+
+
+def _metadata_defect(metadata: Metadata) -> str | None:
+    """What in an unpickled Metadata is not what DCP writes, or None. The unpickler admits
+    only DCP's classes, but a flipped byte can still rename a field or change its type (a
+    Metadata without state_dict_metadata, a str where a dtype belongs); every reader of the
+    metadata (loads, export, `inspect`) would then fail with an AttributeError or TypeError
+    instead of naming the damaged file."""
+    items = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(items, dict):
+        return "state_dict_metadata is not a dict"
+    for fqn, md in items.items():
+        if not isinstance(fqn, str):
+            return f"item name {fqn!r} is not a string"
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            return f"item {fqn!r} is a {type(md).__name__}"
+        props = getattr(md, "properties", None)
+        size = getattr(md, "size", None)
+        chunks = getattr(md, "chunks", None)
+        if not isinstance(props, TensorProperties) \
+                or not isinstance(getattr(props, "dtype", None), torch.dtype):
+            return f"item {fqn!r} has no tensor dtype"
+        if not _is_size(size) or not isinstance(chunks, list):
+            return f"item {fqn!r} has no valid size or chunks"
+        for chunk in chunks:
+            if not isinstance(chunk, ChunkStorageMetadata) \
+                    or not _is_size(getattr(chunk, "offsets", None)) \
+                    or not _is_size(getattr(chunk, "sizes", None)) \
+                    or not len(chunk.offsets) == len(chunk.sizes) == len(size):
+                return f"item {fqn!r} has a malformed chunk"
+    storage = getattr(metadata, "storage_data", None)
+    if storage is not None and not isinstance(storage, dict):
+        return "storage_data is not a dict"
+    for index, info in (storage or {}).items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            return f"storage key {index!r} is not a MetadataIndex"
+        if not isinstance(getattr(info, "relative_path", None), str) \
+                or not all(isinstance(getattr(info, f, None), int) and getattr(info, f) >= 0
+                           for f in ("offset", "length")):
+            return f"storage of {index.fqn!r} has no valid file, offset or length"
+    checksums = getattr(metadata, ITEM_CHECKSUMS, None)
+    if checksums is not None and (not isinstance(checksums, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in checksums.values())):
+        return f"{ITEM_CHECKSUMS} is not a dict of integers"
+    return None
 
 
 def normalize_path(path: str) -> str:

@@ -35,6 +35,7 @@ from statereg.engine.retention import RETIRED_NAME
 from statereg.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     ManifestError,
     StateregError,
     StorageError,
@@ -102,7 +103,7 @@ def _directory(backend: StorageBackend, name: str, grace_s: float, now: float,
         return None  # committed: never touched
     except CheckpointNotFoundError:
         pass
-    except ManifestError as exc:
+    except (ManifestError, CorruptCheckpointError) as exc:  # e.g. a FIFO or link: keep it
         files = backend.walk(name)
         return Leftover(DAMAGED, name, sum(f.size for f in files), None,
                         f"keep: {MANIFEST_NAME} exists but does not parse ({exc}); gc never "

@@ -34,6 +34,8 @@ from statereg.engine.world import World, attempt
 from statereg.errors import (
     CheckpointDeletedError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
     SpecError,
 )
 from statereg.schemas.manifest import MANIFEST_NAME, FileRecord, Manifest
@@ -111,11 +113,36 @@ def _verify_files_of(backend: StorageBackend, committed: Committed, files: list[
                  else references, mode)
 
 
+def missing_as_damage(error: BaseException | None, where: str) -> BaseException | None:
+    """`error`, except that a file the manifest lists but the store lacks (FileNotFoundError,
+    also inside DCP's CheckpointException) is a CorruptCheckpointError naming it: the
+    checkpoint is damaged, so a resume falls back past it. Without this, a load that reads
+    without checking sizes first (verify="off", export-hf) raised the bare OSError."""
+    if error is None:
+        return None
+    own = error
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        own = first[0] if isinstance(first, tuple) and isinstance(first[0], BaseException) \
+            else error
+    if not isinstance(own, FileNotFoundError) or isinstance(own, CheckpointNotFoundError):
+        return error
+    damage = CorruptCheckpointError(
+        f"{where}: file {own.filename or own}, which the manifest lists, is missing; the "
+        "checkpoint is damaged: load an earlier one"
+    )
+    damage.__cause__ = own
+    return damage
+
+
 def _agree_unless_deleted(backend: StorageBackend, name: str, world: World,
                           error: BaseException | None, what: str) -> None:
     """world.agree, except that a failure because the checkpoint vanished under the load (most
     often another process's retention) is a CheckpointDeletedError on every rank, never a raw
-    FileNotFoundError or a claim that the checkpoint is damaged."""
+    FileNotFoundError or a claim that the checkpoint is damaged; a file missing from a
+    checkpoint that is still there is damage (missing_as_damage)."""
+    error = missing_as_damage(error, what)
     try:
         world.agree(error, what)
     except BaseException as exc:

@@ -20,8 +20,12 @@ from statereg.engine.checkpoints import (
     step_of,
 )
 from statereg.engine.claims import Claim
-from statereg.errors import CheckpointExistsError, SpecError, StateregError, StorageError
-from statereg.schemas.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from statereg.errors import CheckpointExistsError, StateregError, StorageError
+from statereg.schemas.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    committable_json,
+)
 
 logger = logging.getLogger("statereg")
 
@@ -77,18 +81,14 @@ def commit(backend: StorageBackend, name: str, manifest: Manifest, claim: Claim 
     saver's before anything is published (CheckpointInProgressError if another saver took the
     directory over) and released afterwards, committed or not. None publishes unclaimed.
 
-    Raises only while nothing is committed: a manifest the reader would refuse as too large
-    is refused here (SpecError), and once the manifest exists, a failure to write `latest`
-    is a warning.
+    Raises only while nothing is committed: a manifest the reader would refuse (too large,
+    or any value parse_manifest refuses or reads back differently) is refused here
+    (SpecError), and once the manifest exists, a failure to write `latest` is a warning.
     """
-    data = manifest.to_json()
     try:
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise SpecError(
-                f"the manifest of {backend.display(name)} would be {len(data)} bytes, over the "
-                f"{MAX_MANIFEST_BYTES} byte bound every reader enforces; nothing was committed. "
-                "Make save(extra=...) smaller, or save fewer tensor items per checkpoint"
-            )
+        # The reader's own check, before anything is published: a manifest no reader
+        # accepts is never committed (SpecError; committable_json).
+        data = committable_json(manifest, backend.display(f"{name}/{MANIFEST_NAME}"))
         if claim is not None:
             claim.check_owner()
         _create(backend, f"{name}/{MANIFEST_SUM_NAME}",

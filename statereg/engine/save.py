@@ -43,6 +43,8 @@ from statereg.schemas.manifest import (
     ComponentRecord,
     FileRecord,
     Manifest,
+    exact_int,
+    int_text,
     nesting_depth,
 )
 from statereg.schemas.spec import RegistrySpec, StorageSpec
@@ -195,12 +197,9 @@ def check_extra(extra: Any) -> dict[str, Any]:
             f"save(extra=...) nests lists or dicts more than {MAX_MANIFEST_DEPTH - 1} deep; "
             "a manifest that deep is refused on load: store a flatter summary"
         )
-    wide = _wide_int(extra)
-    if wide is not None:
-        raise SpecError(
-            f"save(extra=...) holds the integer {wide}, outside the 64-bit range a manifest "
-            "reader keeps exactly; store it as a string"
-        )
+    defect = _unreadable(extra)
+    if defect is not None:
+        raise SpecError(f"save(extra=...) holds {defect}")
     extra = dict(extra)
     size = 0
     for key, value in extra.items():
@@ -222,18 +221,25 @@ def check_extra(extra: Any) -> dict[str, Any]:
     return extra
 
 
-def _wide_int(value: Any) -> int | None:
-    """An integer in `value` outside [-2**63, 2**64) (iterative, as nesting_depth), or None."""
+def _unreadable(value: Any) -> str | None:
+    """What in `value` a manifest reader would not read back as saved (iterative, as
+    nesting_depth), or None: an integer outside the range it keeps exactly, or a dict key
+    that is not a string (JSON would turn it into one)."""
     pending = [value]
     while pending:
         item = pending.pop()
         if isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, str):
+                    return (f"the key {int_text(key) if isinstance(key, int) else repr(key)} "
+                            "(a dict key that is not a string), which a manifest reader would "
+                            "read back as a string; use string keys")
             pending.extend(item.values())
         elif isinstance(item, list | tuple):
             pending.extend(item)
-        elif isinstance(item, int) and not isinstance(item, bool) \
-                and not -(2**63) <= item < 2**64:
-            return item
+        elif isinstance(item, int) and not isinstance(item, bool) and not exact_int(item):
+            return (f"the integer {int_text(item)}, outside the 64-bit range a manifest reader "
+                    "keeps exactly; store it as a string")
     return None
 
 

@@ -32,6 +32,7 @@ from statereg.engine.save import (
 from statereg.engine.staging import LoopMark, StagingArea, mark_loop
 from statereg.engine.world import World, attempt
 from statereg.errors import SpecError
+from statereg.schemas.manifest import exact_int, int_text
 from statereg.schemas.spec import RegistrySpec
 
 logger = logging.getLogger("statereg")
@@ -106,12 +107,14 @@ class Saver:
         """Save `step`; `after_commit(name)` runs once it is committed, on every rank, where
         the commit ran (in the background for an async save: memory tiers share, retain and
         drain there, engine/tiers.py)."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise SpecError(f"save(step={step!r}): step must be a non-negative int")
-        if tokens_seen is not None and (not isinstance(tokens_seen, int)
-                                        or isinstance(tokens_seen, bool) or tokens_seen < 0):
-            raise SpecError(f"save(tokens_seen={tokens_seen!r}): tokens_seen must be a "
-                            "non-negative int or None (e.g. int(tokens))")
+        # The manifest reader's own range (MAX_EXACT_INT): past it a committed manifest
+        # would be one nobody reads, so it is refused here, before anything is written.
+        if not exact_int(step) or step < 0:
+            raise SpecError(f"save(step={_shown(step)}): step must be a non-negative int, at "
+                            "most 2**64-1")
+        if tokens_seen is not None and (not exact_int(tokens_seen) or tokens_seen < 0):
+            raise SpecError(f"save(tokens_seen={_shown(tokens_seen)}): tokens_seen must be a "
+                            "non-negative int, at most 2**64-1, or None (e.g. int(tokens))")
         started = time.perf_counter()
         self.wait()
         extra = check_extra(extra)
@@ -233,3 +236,10 @@ class Saver:
             if self._executor is not None:
                 self._executor.shutdown()
                 self._executor = None
+
+
+def _shown(value: Any) -> str:
+    """repr(value), except for an int too long to print (int_text)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int_text(value)
+    return repr(value)

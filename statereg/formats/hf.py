@@ -113,6 +113,38 @@ def _read_header(backend: StorageBackend, path: str) -> dict:
     return header
 
 
+def _entry_meta(where: str, name: str, entry: object) -> TensorMeta:
+    """The shape and dtype a header entry declares, once it is what safetensors writes:
+    {"dtype": known, "shape": [ints >= 0], "data_offsets": [begin, end]} with end - begin
+    the tensor's bytes. Anything else is CorruptCheckpointError naming the file and tensor
+    (a damaged header once escaped as AttributeError, KeyError or TypeError)."""
+    if not isinstance(entry, dict):
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} has a header entry that is "
+                                     "not a JSON object; the file is damaged")
+    dtype = _DTYPES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    if dtype is None:
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} has unsupported dtype "
+                                     f"{entry.get('dtype')!r}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+
+    def counts(value: object, length: int | None) -> bool:
+        return isinstance(value, list) and (length is None or len(value) == length) and all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in value)
+
+    if not counts(shape, None) or not counts(offsets, 2):
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} has a malformed shape or "
+                                     "data_offsets in the header; the file is damaged")
+    meta = TensorMeta(tuple(shape), dtype)  # type: ignore[arg-type]
+    begin, end = offsets  # type: ignore[misc]
+    if end - begin != nbytes(meta):
+        raise CorruptCheckpointError(
+            f"{where}: tensor {name!r} is {list(shape)} {entry['dtype']} "  # type: ignore[arg-type]
+            f"({nbytes(meta)} bytes) but its header gives it {end - begin} bytes; the file "
+            "is damaged"
+        )
+    return meta
+
+
 def is_safetensors_dir(backend: StorageBackend, directory: str) -> bool:
     return any(n.endswith(SUFFIX) or n == INDEX_NAME for n in backend.list_dir(directory))
 
@@ -135,13 +167,8 @@ class SafetensorsDirectory:
                         f"{backend.display(directory)}: tensor {name!r} is in both "
                         f"{self.file_of[name]} and {file}"
                     )
-                dtype = _DTYPES.get(entry.get("dtype"))
-                if dtype is None:
-                    raise CorruptCheckpointError(
-                        f"{backend.display(join(directory, file))}: tensor {name!r} has "
-                        f"unsupported dtype {entry.get('dtype')!r}"
-                    )
-                self.metas[name] = TensorMeta(tuple(entry["shape"]), dtype)
+                self.metas[name] = _entry_meta(backend.display(join(directory, file)), name,
+                                               entry)
                 self.file_of[name] = file
 
     def _files(self) -> list[str]:

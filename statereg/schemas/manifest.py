@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args, get_origin
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from statereg.errors import ManifestError
+from statereg.errors import ManifestError, SpecError
 from statereg.schemas.spec import Format, Kind, Sharing
 
 MANIFEST_NAME = "manifest.json"
@@ -27,6 +27,11 @@ MAX_MANIFEST_DEPTH = 256
 # lifted that bound: statereg's own integers have at most 20 digits, and save() cannot
 # write a longer one under the default bound either.
 MAX_INT_DIGITS = 4300
+# orjson, which reads manifests first, returns an integer outside [-2**63, 2**64) as a float
+# (2**64 reads back as 1.8446744073709552e+19, which no integer field accepts): statereg
+# writes only integers inside this range, so every reader gets them back exactly.
+MIN_EXACT_INT = -(2**63)
+MAX_EXACT_INT = 2**64 - 1
 
 # \Z, not $: `$` also matches before a trailing newline.
 _CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}\Z")
@@ -148,6 +153,71 @@ class Manifest(_Record):
         """Every file this checkpoint reads, with paths relative to the root."""
         own = [f.model_copy(update={"path": f"{name}/{f.path}"}) for f in self.files]
         return own + list(self.references)
+
+
+def int_text(value: int) -> str:
+    """`value` for an error message: its digits, or its size where printing it would take
+    quadratic time or raise (Python refuses str() of integers past 4300 digits)."""
+    if value.bit_length() <= 10_000:  # about 3,000 digits
+        return str(value)
+    return f"<about {int(value.bit_length() * 0.30103) + 1} digits>"
+
+
+def exact_int(value: Any) -> bool:
+    """Whether `value` is an int (not a bool) that every manifest reader keeps exactly."""
+    return isinstance(value, int) and not isinstance(value, bool) \
+        and MIN_EXACT_INT <= value <= MAX_EXACT_INT
+
+
+def committable_json(manifest: Manifest, source: str) -> bytes:
+    """The bytes to commit for `manifest`, once the reader's own check (`parse_manifest`, the
+    function every load, listing and retention runs) accepts them and reads back the very
+    values that were meant. A writer can therefore never commit a manifest that no reader
+    accepts, or one a reader would understand differently: the two agree by construction.
+
+    SpecError (nothing is committed) names the field the reader would refuse or change.
+    """
+    try:
+        data = manifest.to_json()
+    except ValueError as exc:  # pydantic's own bound on nesting, past the reader's
+        raise SpecError(f"{source} cannot be written ({exc}); nothing was committed. Store "
+                        "a flatter save(extra=...)") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise SpecError(
+            f"{source} would be {len(data)} bytes, over the {MAX_MANIFEST_BYTES} byte bound "
+            "every reader enforces; nothing was committed. Make save(extra=...) smaller, or "
+            "save fewer tensor items per checkpoint"
+        )
+    try:
+        back = parse_manifest(data, source)
+    except ManifestError as exc:
+        raise SpecError(
+            f"{exc}: a reader would refuse this manifest, so it was not committed. Pass "
+            "save() a step and tokens_seen from 0 to 2**64-1 and an extra of plain JSON"
+        ) from None
+    written, read = manifest.model_dump(), back.model_dump()
+    if not _same(written, read):
+        field = next((k for k in written if not _same(written[k], read.get(k))), "(root)")
+        raise SpecError(
+            f"{source}: the manifest field {field!r} would read back differently from what "
+            "was saved, so it was not committed; store that value as a string (extra: only "
+            "string keys, integers from -2**63 to 2**64-1, finite floats)"
+        )
+    return data
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of equal types, all the way down: 2**64 and float(2**64), or NaN and
+    None (what JSON writers make of NaN), differ here; a tuple reads back as a list."""
+    if isinstance(a, tuple):
+        a = list(a)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def _bounded_int(text: str) -> int:

@@ -6,10 +6,12 @@ ordinary way; the tests check that no statereg entry point ever lets it run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import pickle
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -352,3 +354,95 @@ def test_secrets_never_reach_gc_output_logs_or_files(store, tmp_path, capsys, ca
     stored = b"".join(store.fs.cat_file(store.path(p)) for p in store.files())
     for text in (captured.out, captured.err, caplog.text, stored.decode("latin-1")):
         assert SECRET not in text
+
+
+# -- every file of a checkpoint, damaged every way: only statereg errors (issue 25, case 6) --
+
+DAMAGES = ["missing", "truncated", "flipped", "garbage", "fifo", "symlink", "directory"]
+MODEL_FORMATS = ["dcp", "safetensors", "torch"]
+
+
+def damage_file(path: Path, how: str, outside: Path) -> None:
+    data = path.read_bytes()
+    path.unlink()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "flipped":
+        flipped = bytearray(data)
+        flipped[len(data) // 3] ^= 0x10
+        path.write_bytes(bytes(flipped))
+    elif how == "garbage":
+        path.write_bytes(b"\x00not what statereg wrote{" * 9)
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "symlink":
+        outside.write_bytes(data)  # the same bytes, outside the root: still refused
+        path.symlink_to(outside)
+    elif how == "directory":
+        path.mkdir()
+
+
+def one_line_cli(argv: list[str], capsys) -> int:
+    """Run the CLI: it returns an exit code (never raises) and, on failure, prints exactly one
+    line to stderr that names no Python exception type."""
+    code = cli(argv)
+    err = capsys.readouterr().err
+    assert code in (0, 1, 2), (argv, code)
+    if code:
+        lines = [line for line in err.splitlines() if line.startswith("statereg ")]
+        assert len(lines) == 1 and "Traceback" not in err, (argv, err)
+    return code
+
+
+@pytest.mark.parametrize("fmt", MODEL_FORMATS)
+@pytest.mark.parametrize("how", DAMAGES)
+def test_every_damaged_file_gives_a_statereg_error_and_resume_falls_back(tmp_path, fmt, how,
+                                                                        capsys, caplog):
+    """Each file a checkpoint holds (model in every format, optimizer DCP + sidecar,
+    scheduler and rng JSON, manifest and manifest.sum) x each damage: load(verify="off")
+    resumes from the intact older checkpoint or raises a StateregError; a load by URL,
+    inspect (the checkpoint and its model directory), verify, export-hf and gc raise nothing
+    else, and the CLI prints one line and exits non-zero on failure."""
+    caplog.set_level(logging.CRITICAL, logger="statereg")
+    components = {**SINGLE_COMPONENTS, "model": {"kind": "model", "format": fmt}}
+    template = tmp_path / "template"
+    for step in (1, 2):
+        statereg.CheckpointManager(declaration(str(template), {}, components),
+                                   **TinyState.trained(step).objects()).save(step=step)
+    victim = template / "step_00000002"
+    files = sorted(str(p.relative_to(victim)) for p in victim.rglob("*") if p.is_file())
+    assert len(files) >= 8
+    for rel in files:
+        root = tmp_path / f"root-{len(os.listdir(tmp_path))}"
+        shutil.copytree(template, root, symlinks=True)
+        url = str(root / "step_00000002")
+        damage_file(root / "step_00000002" / rel, how, tmp_path / f"outside-{root.name}")
+        decl = declaration(str(root), {}, components)
+        for verify in ("off", "fast"):
+            state = TinyState.trained(5)
+            result = statereg.CheckpointManager(decl, **state.objects()).load(verify=verify)
+            assert result is not None, (rel, verify)
+            if how == "missing" and verify == "off" and result.step == 2:
+                # Unchecked, a load that never needs the file (a safetensors index beside
+                # its one shard) reads the rest, exactly.
+                assert rel.endswith((".index.json", "manifest.sum")), rel
+                assert_identical(state.snapshot(), TinyState.trained(2).snapshot())
+            elif how == "missing" or verify == "fast":
+                # The damaged checkpoint is passed over for the intact older one.
+                assert result.step == 1 or (rel, how) == ("manifest.sum", "missing"), (
+                    rel, verify, result.step)
+                if result.step == 1:
+                    assert_identical(state.snapshot(), TinyState.trained(1).snapshot())
+            with contextlib.suppress(statereg.StateregError):
+                statereg.CheckpointManager(decl, **TinyState.trained(6).objects()).load(
+                    url, verify=verify)
+        out = str(tmp_path / f"hf-{root.name}")
+        for argv in (["inspect", url], ["inspect", url, "--json"], ["inspect", f"{url}/model"],
+                     ["verify", url], ["export-hf", url, out], ["gc", str(root)],
+                     ["ls", str(root)]):
+            code = one_line_cli(argv, capsys)
+            if argv[0] == "verify":
+                assert code != 0 or (rel == "manifest.sum" and how == "missing"), (rel, code)
+            if argv[0] in ("gc", "ls"):  # one damaged checkpoint never fails the whole root
+                assert code == 0, (rel, argv)
+        assert (root / "step_00000001" / "manifest.json").exists()

@@ -15,7 +15,7 @@ from reliability_kit import assert_identical, write_manifest
 from torch import nn
 
 import statereg
-import statereg.engine.publish
+import statereg.schemas.manifest
 from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend
 from statereg.engine.save import MAX_EXTRA_BYTES
@@ -66,7 +66,7 @@ def test_bad_save_arguments_are_refused_before_anything_is_written(store, kwargs
 def test_a_manifest_over_the_readers_bound_is_not_committed(store, monkeypatch):
     _, mgr = manager(store)
     mgr.save(step=1)
-    monkeypatch.setattr(statereg.engine.publish, "MAX_MANIFEST_BYTES", 1000)
+    monkeypatch.setattr(statereg.schemas.manifest, "MAX_MANIFEST_BYTES", 1000)
     with pytest.raises(statereg.SpecError, match=r"would be \d+ bytes, over the 1000 byte bound"):
         mgr.save(step=2)
     monkeypatch.undo()

@@ -283,3 +283,61 @@ def test_a_newer_minor_version_with_unknown_fields_still_reads():
     assert manifest.components["model"].tensors == 2
     assert "retention_hint" not in json.loads(manifest.to_json())
 
+
+
+# -- the writer commits only what the reader accepts (issue 25, case 5) ------------------------
+
+# Each of these a Manifest model accepts; every one was once committed, and then no reader
+# accepted it (or read back something else): a checkpoint nobody loads, whose unreadable
+# manifest protects every lower step from retention for good.
+UNREADABLE = {
+    "step 2**64": (lambda d: d.update(step=2**64), "step"),
+    "tokens_seen 2**64+1": (lambda d: d.update(tokens_seen=2**64 + 1), "tokens_seen"),
+    "extra integer 2**64": (lambda d: d["extra"].update(n=2**64), "extra"),
+    "extra integer below -2**63": (lambda d: d["extra"].update(n=-(2**63) - 1), "extra"),
+    "extra NaN": (lambda d: d["extra"].update(loss=float("nan")), "extra"),
+    "extra infinity": (lambda d: d["extra"].update(loss=float("inf")), "extra"),
+    "extra integer dict key": (lambda d: d["extra"].update(ids={1: "a"}), "extra"),
+    "extra nested past the depth bound": (
+        lambda d: d["extra"].update(deep=_nested(MAX_MANIFEST_DEPTH)), "extra"),
+    "component meta integer 2**64": (
+        lambda d: d["components"]["model"]["meta"].update(n=2**64), "components"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE))
+def test_commit_refuses_every_manifest_the_reader_would_refuse_or_misread(tmp_path, case):
+    from statereg.backends.local import LocalBackend
+    from statereg.engine.checkpoints import read_manifest_at
+    from statereg.engine.publish import commit
+
+    backend = LocalBackend(str(tmp_path))
+    data = valid_manifest_data()
+    mutate, named = UNREADABLE[case]
+    mutate(data)
+    manifest = Manifest.model_validate(data)  # the writer's model takes it
+    with pytest.raises(statereg.SpecError, match="committed") as info:
+        commit(backend, "step_00000010", manifest, None)
+    assert named in str(info.value)
+    assert not (tmp_path / "step_00000010" / MANIFEST_NAME).exists()
+    assert not (tmp_path / "latest").exists()
+    # The same manifest without the defect commits, and the reader reads back what was meant.
+    good = Manifest.model_validate(valid_manifest_data())
+    commit(backend, "step_00000010", good, None)
+    assert read_manifest_at(backend, "step_00000010") == good
+
+
+def test_the_largest_values_the_writer_accepts_are_read_back_exactly(tmp_path):
+    from statereg.backends.local import LocalBackend
+    from statereg.engine.checkpoints import read_manifest_at
+    from statereg.engine.publish import commit
+    from statereg.schemas.manifest import MAX_EXACT_INT, MIN_EXACT_INT
+
+    data = valid_manifest_data()
+    data.update(step=MAX_EXACT_INT, tokens_seen=MAX_EXACT_INT)
+    data["extra"].update(lo=MIN_EXACT_INT, hi=MAX_EXACT_INT, tiny=5e-324,
+                         big=1.7976931348623157e308)
+    manifest = Manifest.model_validate(data)
+    name = f"step_{MAX_EXACT_INT:08d}"
+    commit(LocalBackend(str(tmp_path)), name, manifest, None)
+    assert read_manifest_at(LocalBackend(str(tmp_path)), name) == manifest
