@@ -38,6 +38,7 @@ from statereg.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ManifestError,
+    StateregError,
     StorageError,
 )
 from statereg.schemas.manifest import MANIFEST_NAME
@@ -323,13 +324,59 @@ def uncommitted_names(backend: StorageBackend, committed: Iterable[str]) -> list
     return [n for n in backend.list_dir("") if step_of(n) is not None and n not in known]
 
 
+# At most this many claim names in a row may be taken by entries the listing does not show
+# (links, FIFOs, sockets on local disk) before a save gives up and names them.
+_HIDDEN_CLAIMS = 16
+
+
+def _hidden_entry(backend: StorageBackend, name: str, number: int) -> str | None:
+    """What occupies claim `number` of `name` although the listing does not show it (a link
+    or a special file: list_dir leaves those out), e.g. "symlink"; None if nothing does, or a
+    claim the listing shows (another saver's, created since)."""
+    if number in read_claims(backend, name):
+        return None
+    path = f"{name}/{claim_file(number)}"
+    try:
+        found = backend.walk(path)
+    except (FileNotFoundError, StateregError):
+        return None
+    kinds = [f.kind for f in found if f.path == path]
+    return kinds[0] if kinds and kinds[0] not in ("file", "directory") else None
+
+
+def _remove_hidden(backend: StorageBackend, name: str, numbers: list[int]) -> None:
+    """Delete the hostile entries at claim `numbers`, once this saver's claim (a higher number)
+    is the newest: no saver creates a claim below the newest one, so none of these can have
+    become a real claim meanwhile. A link is deleted itself, never what it points to."""
+    for number in numbers:
+        path = f"{name}/{claim_file(number)}"
+        try:
+            backend.remove_file(path)
+        except FileNotFoundError:
+            continue
+        except StorageError as exc:
+            logger.warning("could not delete %s, which is not a claim statereg wrote (%s); "
+                           "delete it by hand", backend.display(path), exc)
+            continue
+        logger.warning("deleted %s: it was not a claim statereg writes (a link or a special "
+                       "file), and it blocked saves of this step", backend.display(path))
+
+
 def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") -> Claim:
     """Claim directory `name` for one save; clear leftovers of an interrupted save of it.
 
     Refuses a committed step (CheckpointExistsError) and a step another live save holds
     (CheckpointInProgressError). A stale claim is taken over by creating the next number.
+
+    A claim that is no claim statereg writes is never a live one: garbage or a directory is
+    an unreadable claim (taken over, then removed with the other leftovers); a link or a
+    special file, which the listing does not show, is skipped (the next number is created)
+    and deleted itself once this saver holds the directory. Too many of them in a row is a
+    StorageError naming them.
     """
-    for _ in range(_CLAIM_ATTEMPTS):
+    hidden: list[int] = []
+    attempts = 0
+    while attempts < _CLAIM_ATTEMPTS:
         refuse_committed(backend, name)
         numbers = read_claims(backend, name)
         number, why = 0, ""
@@ -343,6 +390,8 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
                     f"whose process is gone lapses {CLAIM_LEASE_S:.0f} s after its last renewal"
                 )
             number = numbers[-1] + 1
+        if hidden and hidden[-1] >= number:
+            number = hidden[-1] + 1
         now = time.time()
         info = ClaimInfo(token=uuid.uuid4().hex, host=socket.gethostname(), host_id=_HOST_ID,
                          pid=os.getpid(), thread=threading.current_thread().name,
@@ -351,7 +400,19 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
         try:
             backend.create_bytes(claim.path, info.to_json())
         except FileExistsError:
-            continue  # another saver took this number first: look again
+            kind = _hidden_entry(backend, name, number)
+            if kind is None:
+                attempts += 1
+                continue  # another saver took this number first: look again
+            hidden.append(number)
+            if len(hidden) >= _HIDDEN_CLAIMS:
+                shown = ", ".join(backend.display(f"{name}/{claim_file(n)}") for n in hidden)
+                raise StorageError(
+                    f"{backend.display(name)} cannot be claimed: {len(hidden)} claim names in a "
+                    f"row are taken by links or special files ({shown}), which are no claims "
+                    "statereg writes; delete them (and nothing they point to), then save again"
+                ) from None
+            continue
         try:
             # Defence in depth, for a store that ignores conditional creates: a saver whose
             # claim was written over lost the race, and leaves every file alone.
@@ -375,6 +436,8 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
                                backend.display(name), f" (claimed by {why})" if why else "")
                 for entry in leftovers:
                     backend.remove_tree(f"{name}/{entry}")
+            if hidden and purpose != "gc":  # gc removes the whole directory itself
+                _remove_hidden(backend, name, hidden)
         except BaseException:
             claim._stop.set()
             with contextlib.suppress(Exception):
