@@ -41,7 +41,7 @@ from statereg.errors import (
     StateregError,
     StorageError,
 )
-from statereg.schemas.manifest import MANIFEST_NAME
+from statereg.schemas.manifest import MANIFEST_NAME, WRITER_DIR_PREFIX
 
 logger = logging.getLogger("statereg")
 
@@ -113,6 +113,19 @@ class ClaimInfo:
         return f"process {self.pid} on {self.host}"
 
 
+def lost_race(backend: StorageBackend, name: str, how: str) -> CheckpointExistsError:
+    """The error of a saver that lost a race for step directory `name` with another writer
+    on a store that does not enforce conditional creates (`how`: what it found)."""
+    return CheckpointExistsError(
+        f"{backend.display(name)}: this save lost a race with another writer saving the same "
+        f"step ({how}); the store at {backend.display()} does not enforce conditional "
+        "creates, so both could start. Nothing was committed by this save, and the checkpoint "
+        "that stands, if any, is the other writer's, whole. Give each job its own root or "
+        "steps, or use a store that honours conditional writes (storage.options."
+        "require_exclusive: true refuses one that does not; see docs/storage.md)"
+    )
+
+
 def claim_file(number: int) -> str:
     return f"{CLAIM_PREFIX}{number:05d}"
 
@@ -167,6 +180,10 @@ class Claim:
     name: str
     number: int
     info: ClaimInfo
+    # Whether the store enforces exclusive creates. Where it does not, another saver's
+    # claim can land on this one's name: renewals and the release read the claim first and
+    # leave another saver's alone.
+    exclusive: bool = True
     owner: threading.Thread = field(default_factory=threading.current_thread)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -193,15 +210,32 @@ class Claim:
         while not self._stop.wait(self.info.lease_s / 4):
             try:
                 self._rewrite()
+            except CheckpointExistsError:
+                self._stop.set()  # another saver's claim stands: commit() reports it
             except Exception as exc:  # the save itself will report a storage failure
                 logger.debug("renewing %s failed: %s", self.backend.display(self.path), exc)
+
+    def _mine(self) -> bool:
+        """Whether the claim stored under this claim's name is this one (token and all)."""
+        current = read_claim(self.backend, self.name, self.number)
+        return current is not None and current.token == self.info.token
 
     def _rewrite(self, **changes: Any) -> None:
         # Under the lock: a renewal must never write back an info older than hold()'s.
         with self._lock:
+            if not self.exclusive and not self._mine():
+                raise lost_race(self.backend, self.name,
+                                f"its claim {claim_file(self.number)} replaced this one's")
             info = replace(self.info, renewed_at=time.time(), **changes)
             self.backend.write_bytes(self.path, info.to_json())
             self.info = info
+
+    def freeze(self) -> None:
+        """Stop renewing (the claim stays this save's until released): a commit on a store
+        without exclusive creates must not write its claim over a later saver's."""
+        self._stop.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(timeout=30)
 
     def hold(self, name: str) -> None:
         """Record in the claim that this save may reference files of checkpoint `name`
@@ -225,6 +259,12 @@ class Claim:
                 and holder.token == self.info.token:
             return
         self._stop_renewing()
+        if not self.exclusive and (not numbers or numbers[-1] == self.number):
+            # Written over or deleted by a saver that created the same name: a race the
+            # store let through, not a lapsed lease.
+            raise lost_race(self.backend, self.name,
+                            f"its claim {claim_file(self.number)} replaced this one's"
+                            if numbers else "this save's claim was removed by it")
         by = f" by {holder.describe()}" if holder is not None else ""
         raise CheckpointInProgressError(
             f"{self.backend.display(self.name)} was taken over{by} while this save was writing "
@@ -238,6 +278,8 @@ class Claim:
             return
         self._stop_renewing()
         try:
+            if not self.exclusive and not self._mine():
+                return  # another saver's claim landed on this name: it is that saver's
             self.backend.remove_file(self.path)
         except (FileNotFoundError, StorageError) as exc:
             logger.debug("could not remove %s: %s", self.backend.display(self.path), exc)
@@ -413,22 +455,22 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
                     "statereg writes; delete them (and nothing they point to), then save again"
                 ) from None
             continue
+        claim.exclusive = backend.check_exclusive_create() is None
         try:
             # Defence in depth, for a store that ignores conditional creates: a saver whose
             # claim was written over lost the race, and leaves every file alone.
             mine = read_claim(backend, name, number)
             if mine is None or mine.token != info.token:
-                raise CheckpointInProgressError(
-                    f"{backend.display(name)} was claimed by another save at the same moment "
-                    f"({mine.describe() if mine else 'its claim is gone'}); this save wrote "
-                    "nothing. The store did not refuse the second claim: see "
-                    "storage.options.require_exclusive in docs/storage.md"
-                )
+                raise lost_race(backend, name, f"claimed by {mine.describe()} at the same "
+                                f"moment" if mine else "its claim is gone")
             refuse_committed(backend, name)  # committed between the first check and the claim
             # Not another saver's claim being created (`.claim-N.tmp-…`, local disk): its
-            # link fails or wins on its own, and it removes its temporary file itself.
+            # link fails or wins on its own, and it removes its temporary file itself. Nor,
+            # where creates are not exclusive, another writer's directory: a racing saver
+            # may be writing it, and a manifest that stands names only its own writer's.
             leftovers = [e for e in backend.list_dir(name)
-                         if e != claim_file(number) and not _CLAIM_TEMPORARY.match(e)]
+                         if e != claim_file(number) and not _CLAIM_TEMPORARY.match(e)
+                         and (claim.exclusive or not e.startswith(WRITER_DIR_PREFIX))]
             if leftovers:
                 refuse_referenced(backend, name)
             if leftovers and purpose != "gc":
@@ -441,7 +483,8 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
         except BaseException:
             claim._stop.set()
             with contextlib.suppress(Exception):
-                backend.remove_file(claim.path)
+                if claim.exclusive or claim._mine():  # never another saver's claim
+                    backend.remove_file(claim.path)
             raise
         claim.start()
         return claim

@@ -112,7 +112,7 @@ def reuse_index(backend: StorageBackend, previous: Committed | None,
                for key, digest in previous.manifest.digests.items() if key.startswith(prefix)}
     if not digests:
         return {}
-    where = f"{previous.name}/{dcp_dir}"
+    where = f"{previous.manifest.data_dir(previous.name)}/{dcp_dir}"
     meta_path = f"{where}/{METADATA_NAME}"
     metadata = load_dcp_metadata(backend.read_bytes(meta_path), backend.display(meta_path))
     found = {}

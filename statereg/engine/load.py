@@ -160,9 +160,12 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
 
     # Every byte read from here on is checked against the manifest as it is read (whole
     # files by their checksums, DCP items by their digests), unless verify is off.
-    records = read_records(manifest, committed.name, names) if verify != "off" else None
+    # A checkpoint saved under a writer token keeps its components in data_dir(); the
+    # layouts read them there, by paths relative to it.
+    plain, data_dir = manifest.without_writer(), manifest.data_dir(committed.name)
+    records = read_records(plain, data_dir, names) if verify != "off" else None
     reader = backend if records is None else cast(StorageBackend, VerifiedReads(backend, records))
-    ctx = ReadContext(reader, committed.name, world, records, strict)
+    ctx = ReadContext(reader, data_dir, world, records, strict)
 
     # Layouts read for their collective once and broadcast (ReadContext.read_once,
     # GroupReader), so ranks agree after each component: a rank that failed alone must not
@@ -170,7 +173,7 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     for name in names:
         task = tasks[name]
         prepared, error = attempt(LAYOUTS[task.layout].prepare, task,
-                                  manifest.components[name], adapters.get(name), ctx)
+                                  plain.components[name], adapters.get(name), ctx)
         _agree_unless_deleted(backend, committed.name, world, error,
                               f"checking {where} ({name})")
         steps.append((name, prepared.apply))
