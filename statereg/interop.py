@@ -271,9 +271,11 @@ def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | Non
     if record is None or record.kind != "model" or record.sharing == "per_group":
         raise SpecError(f"{url}: {name!r} is not a model component saved once (models: "
                         f"{models})")
-    directory = f"{ckpt.name}/{name}"
+    data_dir = ckpt.manifest.data_dir(ckpt.name)  # under writer-<token>/ where it has one
+    directory = f"{data_dir}/{name}"
     # Every byte exported is checked against the manifest as it is read, as a load does.
-    verified: Any = VerifiedReads(backend, read_records(ckpt.manifest, ckpt.name, [name]))
+    verified: Any = VerifiedReads(backend, read_records(ckpt.manifest.without_writer(),
+                                                        data_dir, [name]))
     if record.format == "dcp":
         source: TensorSource | TorchFile = DCPDirectory(verified, directory)
         source.reader.verify_unchecked(source.reader.read_metadata())

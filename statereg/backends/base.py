@@ -436,15 +436,17 @@ class StorageBackend:
             raise StorageError(
                 f"exclusive create is not enforced at {self.display()}: {problem}. "
                 f"storage.options.{REQUIRE_EXCLUSIVE} is true, so statereg does not write "
-                "here (two saves of one step could both be told they committed). Use a store "
-                f"that honours conditional writes, or drop {REQUIRE_EXCLUSIVE} to accept the "
-                "risk with a warning"
+                "here (two saves of one step could both start, and both fail). Use a store "
+                f"that honours conditional writes, or drop {REQUIRE_EXCLUSIVE} to save here "
+                "with a warning (each save then writes under its own writer directory)"
             )
         if first:
             logger.warning(
-                "exclusive create is not enforced at %s: %s. Two saves of one step could both "
-                "be told they committed; give each run its own root, or set storage.options."
-                "%s: true to refuse such a store", self.display(), problem, REQUIRE_EXCLUSIVE)
+                "exclusive create is not enforced at %s: %s. Each save here writes under its "
+                "own writer directory and reports a commit only after reading back that its "
+                "manifest stands, but two saves of one step can both start and both fail; "
+                "give each run its own root, or set storage.options.%s: true to refuse such "
+                "a store", self.display(), problem, REQUIRE_EXCLUSIVE)
         return problem
 
     def _probe_key(self) -> str:

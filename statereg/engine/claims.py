@@ -38,9 +38,10 @@ from statereg.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ManifestError,
+    StateregError,
     StorageError,
 )
-from statereg.schemas.manifest import MANIFEST_NAME
+from statereg.schemas.manifest import MANIFEST_NAME, WRITER_DIR_PREFIX
 
 logger = logging.getLogger("statereg")
 
@@ -112,6 +113,19 @@ class ClaimInfo:
         return f"process {self.pid} on {self.host}"
 
 
+def lost_race(backend: StorageBackend, name: str, how: str) -> CheckpointExistsError:
+    """The error of a saver that lost a race for step directory `name` with another writer
+    on a store that does not enforce conditional creates (`how`: what it found)."""
+    return CheckpointExistsError(
+        f"{backend.display(name)}: this save lost a race with another writer saving the same "
+        f"step ({how}); the store at {backend.display()} does not enforce conditional "
+        "creates, so both could start. Nothing was committed by this save, and the checkpoint "
+        "that stands, if any, is the other writer's, whole. Give each job its own root or "
+        "steps, or use a store that honours conditional writes (storage.options."
+        "require_exclusive: true refuses one that does not; see docs/storage.md)"
+    )
+
+
 def claim_file(number: int) -> str:
     return f"{CLAIM_PREFIX}{number:05d}"
 
@@ -166,6 +180,10 @@ class Claim:
     name: str
     number: int
     info: ClaimInfo
+    # Whether the store enforces exclusive creates. Where it does not, another saver's
+    # claim can land on this one's name: renewals and the release read the claim first and
+    # leave another saver's alone.
+    exclusive: bool = True
     owner: threading.Thread = field(default_factory=threading.current_thread)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -192,15 +210,32 @@ class Claim:
         while not self._stop.wait(self.info.lease_s / 4):
             try:
                 self._rewrite()
+            except CheckpointExistsError:
+                self._stop.set()  # another saver's claim stands: commit() reports it
             except Exception as exc:  # the save itself will report a storage failure
                 logger.debug("renewing %s failed: %s", self.backend.display(self.path), exc)
+
+    def _mine(self) -> bool:
+        """Whether the claim stored under this claim's name is this one (token and all)."""
+        current = read_claim(self.backend, self.name, self.number)
+        return current is not None and current.token == self.info.token
 
     def _rewrite(self, **changes: Any) -> None:
         # Under the lock: a renewal must never write back an info older than hold()'s.
         with self._lock:
+            if not self.exclusive and not self._mine():
+                raise lost_race(self.backend, self.name,
+                                f"its claim {claim_file(self.number)} replaced this one's")
             info = replace(self.info, renewed_at=time.time(), **changes)
             self.backend.write_bytes(self.path, info.to_json())
             self.info = info
+
+    def freeze(self) -> None:
+        """Stop renewing (the claim stays this save's until released): a commit on a store
+        without exclusive creates must not write its claim over a later saver's."""
+        self._stop.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(timeout=30)
 
     def hold(self, name: str) -> None:
         """Record in the claim that this save may reference files of checkpoint `name`
@@ -224,6 +259,12 @@ class Claim:
                 and holder.token == self.info.token:
             return
         self._stop_renewing()
+        if not self.exclusive and (not numbers or numbers[-1] == self.number):
+            # Written over or deleted by a saver that created the same name: a race the
+            # store let through, not a lapsed lease.
+            raise lost_race(self.backend, self.name,
+                            f"its claim {claim_file(self.number)} replaced this one's"
+                            if numbers else "this save's claim was removed by it")
         by = f" by {holder.describe()}" if holder is not None else ""
         raise CheckpointInProgressError(
             f"{self.backend.display(self.name)} was taken over{by} while this save was writing "
@@ -237,6 +278,8 @@ class Claim:
             return
         self._stop_renewing()
         try:
+            if not self.exclusive and not self._mine():
+                return  # another saver's claim landed on this name: it is that saver's
             self.backend.remove_file(self.path)
         except (FileNotFoundError, StorageError) as exc:
             logger.debug("could not remove %s: %s", self.backend.display(self.path), exc)
@@ -323,13 +366,59 @@ def uncommitted_names(backend: StorageBackend, committed: Iterable[str]) -> list
     return [n for n in backend.list_dir("") if step_of(n) is not None and n not in known]
 
 
+# At most this many claim names in a row may be taken by entries the listing does not show
+# (links, FIFOs, sockets on local disk) before a save gives up and names them.
+_HIDDEN_CLAIMS = 16
+
+
+def _hidden_entry(backend: StorageBackend, name: str, number: int) -> str | None:
+    """What occupies claim `number` of `name` although the listing does not show it (a link
+    or a special file: list_dir leaves those out), e.g. "symlink"; None if nothing does, or a
+    claim the listing shows (another saver's, created since)."""
+    if number in read_claims(backend, name):
+        return None
+    path = f"{name}/{claim_file(number)}"
+    try:
+        found = backend.walk(path)
+    except (FileNotFoundError, StateregError):
+        return None
+    kinds = [f.kind for f in found if f.path == path]
+    return kinds[0] if kinds and kinds[0] not in ("file", "directory") else None
+
+
+def _remove_hidden(backend: StorageBackend, name: str, numbers: list[int]) -> None:
+    """Delete the hostile entries at claim `numbers`, once this saver's claim (a higher number)
+    is the newest: no saver creates a claim below the newest one, so none of these can have
+    become a real claim meanwhile. A link is deleted itself, never what it points to."""
+    for number in numbers:
+        path = f"{name}/{claim_file(number)}"
+        try:
+            backend.remove_file(path)
+        except FileNotFoundError:
+            continue
+        except StorageError as exc:
+            logger.warning("could not delete %s, which is not a claim statereg wrote (%s); "
+                           "delete it by hand", backend.display(path), exc)
+            continue
+        logger.warning("deleted %s: it was not a claim statereg writes (a link or a special "
+                       "file), and it blocked saves of this step", backend.display(path))
+
+
 def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") -> Claim:
     """Claim directory `name` for one save; clear leftovers of an interrupted save of it.
 
     Refuses a committed step (CheckpointExistsError) and a step another live save holds
     (CheckpointInProgressError). A stale claim is taken over by creating the next number.
+
+    A claim that is no claim statereg writes is never a live one: garbage or a directory is
+    an unreadable claim (taken over, then removed with the other leftovers); a link or a
+    special file, which the listing does not show, is skipped (the next number is created)
+    and deleted itself once this saver holds the directory. Too many of them in a row is a
+    StorageError naming them.
     """
-    for _ in range(_CLAIM_ATTEMPTS):
+    hidden: list[int] = []
+    attempts = 0
+    while attempts < _CLAIM_ATTEMPTS:
         refuse_committed(backend, name)
         numbers = read_claims(backend, name)
         number, why = 0, ""
@@ -343,6 +432,8 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
                     f"whose process is gone lapses {CLAIM_LEASE_S:.0f} s after its last renewal"
                 )
             number = numbers[-1] + 1
+        if hidden and hidden[-1] >= number:
+            number = hidden[-1] + 1
         now = time.time()
         info = ClaimInfo(token=uuid.uuid4().hex, host=socket.gethostname(), host_id=_HOST_ID,
                          pid=os.getpid(), thread=threading.current_thread().name,
@@ -351,23 +442,35 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
         try:
             backend.create_bytes(claim.path, info.to_json())
         except FileExistsError:
-            continue  # another saver took this number first: look again
+            kind = _hidden_entry(backend, name, number)
+            if kind is None:
+                attempts += 1
+                continue  # another saver took this number first: look again
+            hidden.append(number)
+            if len(hidden) >= _HIDDEN_CLAIMS:
+                shown = ", ".join(backend.display(f"{name}/{claim_file(n)}") for n in hidden)
+                raise StorageError(
+                    f"{backend.display(name)} cannot be claimed: {len(hidden)} claim names in a "
+                    f"row are taken by links or special files ({shown}), which are no claims "
+                    "statereg writes; delete them (and nothing they point to), then save again"
+                ) from None
+            continue
+        claim.exclusive = backend.check_exclusive_create() is None
         try:
             # Defence in depth, for a store that ignores conditional creates: a saver whose
             # claim was written over lost the race, and leaves every file alone.
             mine = read_claim(backend, name, number)
             if mine is None or mine.token != info.token:
-                raise CheckpointInProgressError(
-                    f"{backend.display(name)} was claimed by another save at the same moment "
-                    f"({mine.describe() if mine else 'its claim is gone'}); this save wrote "
-                    "nothing. The store did not refuse the second claim: see "
-                    "storage.options.require_exclusive in docs/storage.md"
-                )
+                raise lost_race(backend, name, f"claimed by {mine.describe()} at the same "
+                                f"moment" if mine else "its claim is gone")
             refuse_committed(backend, name)  # committed between the first check and the claim
             # Not another saver's claim being created (`.claim-N.tmp-…`, local disk): its
-            # link fails or wins on its own, and it removes its temporary file itself.
+            # link fails or wins on its own, and it removes its temporary file itself. Nor,
+            # where creates are not exclusive, another writer's directory: a racing saver
+            # may be writing it, and a manifest that stands names only its own writer's.
             leftovers = [e for e in backend.list_dir(name)
-                         if e != claim_file(number) and not _CLAIM_TEMPORARY.match(e)]
+                         if e != claim_file(number) and not _CLAIM_TEMPORARY.match(e)
+                         and (claim.exclusive or not e.startswith(WRITER_DIR_PREFIX))]
             if leftovers:
                 refuse_referenced(backend, name)
             if leftovers and purpose != "gc":
@@ -375,10 +478,13 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
                                backend.display(name), f" (claimed by {why})" if why else "")
                 for entry in leftovers:
                     backend.remove_tree(f"{name}/{entry}")
+            if hidden and purpose != "gc":  # gc removes the whole directory itself
+                _remove_hidden(backend, name, hidden)
         except BaseException:
             claim._stop.set()
             with contextlib.suppress(Exception):
-                backend.remove_file(claim.path)
+                if claim.exclusive or claim._mine():  # never another saver's claim
+                    backend.remove_file(claim.path)
             raise
         claim.start()
         return claim

@@ -69,13 +69,13 @@ def _is_dcp_file(path: str) -> bool:
     return name == METADATA_NAME or name.endswith(".distcp")
 
 
-def _copy_checked(src: StorageBackend, name: str, record: FileRecord, dst: StorageBackend,
-                  recorder: FileRecorder) -> None:
-    """Stream one file from `src` to `dst`, checking its size and checksum on the way; the
-    destination file is dropped, not reported, if they differ."""
-    path = f"{name}/{record.path}"
+def _copy_checked(src: StorageBackend, src_dir: str, record: FileRecord, dst: StorageBackend,
+                  name: str, recorder: FileRecorder) -> None:
+    """Stream one file from `src` (under `src_dir`) to `dst` (under `name`), checking its size
+    and checksum on the way; the destination file is dropped, not reported, if they differ."""
+    path = f"{src_dir}/{record.path}"
     where = src.display(path)
-    writer = dst.open_write(path, recorder.add)
+    writer = dst.open_write(f"{name}/{record.path}", recorder.add)
     try:
         with src.open_blocks(path) as stream:
             verify_stream(where, record, stream, writer.write)
@@ -113,7 +113,10 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
     self-contained: it never writes into another checkpoint directory of `dst`); other files
     are copied byte for byte.
     """
-    source = Committed(name, read_manifest_at(src, name))
+    stored = read_manifest_at(src, name)
+    # A source saved under a writer token (a store without exclusive creates) is read from
+    # its writer directory and copied without one: the copy is claimed like any save.
+    src_dir, source = stored.data_dir(name), Committed(name, stored.without_writer())
     with claim_scope():
         # Claimed like a save: refuses a committed or in-progress step, clears leftovers of
         # an interrupted copy, and commit() below releases it.
@@ -137,11 +140,11 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
             for record in records:
                 if posixpath.dirname(record.path) in dcp_dirs and _is_dcp_file(record.path):
                     continue
-                _copy_checked(src, name, record, dst, recorder)
+                _copy_checked(src, src_dir, record, dst, name, recorder)
                 progress.update(record.size)
-            every_file = read_records(source.manifest, name, source.manifest.components)
+            every_file = read_records(source.manifest, src_dir, source.manifest.components)
             for directory in sorted(dcp_dirs):
-                _rewrite_dcp(src, f"{name}/{directory}", every_file, dst,
+                _rewrite_dcp(src, f"{src_dir}/{directory}", every_file, dst,
                              f"{name}/{directory}", settings[directory], recorder)
                 for written in recorder.files():
                     if written.path.startswith(f"{name}/{directory}/"):

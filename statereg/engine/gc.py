@@ -34,6 +34,7 @@ from statereg.engine.claims import (
 from statereg.engine.retention import RETIRED_NAME
 from statereg.errors import (
     CheckpointExistsError,
+    CheckpointInProgressError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ManifestError,
@@ -209,6 +210,15 @@ def _remove(backend: StorageBackend, leftover: Leftover) -> Leftover:
     return replace(leftover, action="deleted")
 
 
+def _claimed(backend: StorageBackend, name: str) -> bool:
+    """Whether a live claim holds directory `name` now (a save started since gc listed it)."""
+    try:
+        numbers = read_claims(backend, name)
+        return bool(numbers) and claim_state(read_claim(backend, name, numbers[-1]))[0]
+    except StateregError:
+        return False
+
+
 def collect_garbage(backend: StorageBackend, delete: bool = False,
                     grace_s: float = DEFAULT_GRACE_S) -> list[Leftover]:
     """Find leftovers; with `delete`, remove the deletable ones. Returns what was found,
@@ -225,7 +235,12 @@ def collect_garbage(backend: StorageBackend, delete: bool = False,
         try:
             done.append(_remove(backend, leftover))
             logger.info("gc removed %s %s", leftover.kind, backend.display(leftover.path))
-        except CheckpointExistsError as exc:  # committed, or claimed, since it was listed
+        except CheckpointInProgressError as exc:
+            # Kept only for a save that holds the directory now; otherwise the dry run
+            # promised a deletion gc could not do, and the CLI must say so (exit 1).
+            held = _claimed(backend, leftover.path)
+            done.append(replace(leftover, action=f"{'keep' if held else 'failed'}: {exc}"))
+        except CheckpointExistsError as exc:  # committed since it was listed
             done.append(replace(leftover, action=f"keep: {exc}"))
         except StateregError as exc:
             done.append(replace(leftover, action=f"failed: {exc}"))

@@ -160,7 +160,7 @@ def reuse_index(backend: StorageBackend, previous: Committed | None,
                for key, digest in previous.manifest.digests.items() if key.startswith(prefix)}
     if not digests:
         return {}
-    where = f"{previous.name}/{dcp_dir}"
+    where = f"{previous.manifest.data_dir(previous.name)}/{dcp_dir}"
     meta_path = f"{where}/{METADATA_NAME}"
     data = backend.read_bytes(meta_path)
     record = next((f for f in previous.manifest.files if f.path == f"{dcp_dir}/{METADATA_NAME}"),

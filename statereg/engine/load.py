@@ -175,8 +175,11 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     started = time.perf_counter()
     manifest = committed.manifest
     where = backend.display(committed.name)
+    # A checkpoint saved under a writer token keeps its components in data_dir(); the plan
+    # and the layouts read them there, by paths relative to it.
+    plain, data_dir = manifest.without_writer(), manifest.data_dir(committed.name)
     saved = {n: Saved(r.kind, r.sharing, r.format, manifest.world_size, tuple(r.files))
-             for n, r in manifest.components.items()}
+             for n, r in plain.components.items()}
     # Every rank compiles the same tasks from the same manifest, so all agree on a mismatch.
     tasks, error = attempt(compile_load, spec, saved, names, world.layout, where)
     world.agree(error, f"checking {where}")
@@ -192,9 +195,9 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
 
     # Every byte read from here on is checked against the manifest as it is read (whole
     # files by their checksums, DCP items by their digests), unless verify is off.
-    records = read_records(manifest, committed.name, names) if verify != "off" else None
+    records = read_records(plain, data_dir, names) if verify != "off" else None
     reader = backend if records is None else cast(StorageBackend, VerifiedReads(backend, records))
-    ctx = ReadContext(reader, committed.name, world, records, strict)
+    ctx = ReadContext(reader, data_dir, world, records, strict)
 
     # Layouts read for their collective once and broadcast (ReadContext.read_once,
     # GroupReader), so ranks agree after each component: a rank that failed alone must not
@@ -202,7 +205,7 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     for name in (n for n in names if n not in deferred):
         task = tasks[name]
         prepared, error = attempt(LAYOUTS[task.layout].prepare, task,
-                                  manifest.components[name], adapters.get(name), ctx)
+                                  plain.components[name], adapters.get(name), ctx)
         _agree_unless_deleted(backend, committed.name, world, error,
                               f"checking {where} ({name})")
         steps.append((name, prepared.apply))

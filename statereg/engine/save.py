@@ -40,6 +40,8 @@ from statereg.schemas.manifest import (
     FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_DEPTH,
+    PLAIN_FORMAT_VERSION,
+    WRITER_DIR_PREFIX,
     ComponentRecord,
     FileRecord,
     Manifest,
@@ -316,8 +318,12 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
 
 def build_manifest(spec: RegistrySpec, captured: list[Captured],
                    files: list[WrittenFile], step: int, tokens_seen: int | None,
-                   extra: dict[str, Any], world_size: int) -> Manifest:
+                   extra: dict[str, Any], world_size: int,
+                   writer: str | None = None) -> Manifest:
+    """The manifest of `files` (relative to the directory the components were written in:
+    the checkpoint's, or its `writer-<writer>/` directory, which the paths then start with)."""
     compression = compression_settings(spec.storage)
+    top = f"{WRITER_DIR_PREFIX}{writer}/" if writer else ""
     components = {}
     for item in captured:
         task = item.task
@@ -327,13 +333,14 @@ def build_manifest(spec: RegistrySpec, captured: list[Captured],
             kind=task.kind,
             sharing=task.sharing,
             format=task.format,
-            files=[f.path for f in mine],
+            files=[top + f.path for f in mine],
             tensors=len(item.tensors or {}),
             bytes=sum(f.size for f in mine),
             meta=item.meta,
         )
     return Manifest(
-        format_version=FORMAT_VERSION,
+        # 1.1 unless there is a writer: what a 1.1 reader reads, byte for byte.
+        format_version=FORMAT_VERSION if writer else PLAIN_FORMAT_VERSION,
         statereg_version=__version__,
         torch_version=torch.__version__,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -343,9 +350,10 @@ def build_manifest(spec: RegistrySpec, captured: list[Captured],
         world_size=world_size,
         spec=redacted_spec(spec),
         components=components,
-        files=[FileRecord(path=f.path, size=f.size, checksum=f.checksum,
+        files=[FileRecord(path=top + f.path, size=f.size, checksum=f.checksum,
                           codec=file_codec(f.path, compression))
                for f in files],
+        writer=writer,
     )
 
 
@@ -399,14 +407,21 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
     name = checkpoint_name(step)
     shown = backend.display(name)
     claim: Claim | None = None  # rank 0's, which commits
+    writer: str | None = None
     digests, error = attempt(plans.digest, captured, world.rank) if plans else ({}, None)
     if world.rank == 0 and error is None:
         # Refuses a committed step or one another live save holds; clears leftovers of an
         # interrupted save of it. commit() checks the claim is still this save's.
         claim, error = attempt(claim_checkpoint, backend, name)
-    gathered = world.gather_checked(digests, error, f"save of {name}")
+        if claim is not None and not claim.exclusive:
+            # A second saver of this step may get past its claim on this store: every file
+            # goes under this save's own writer directory, named by its claim's token.
+            writer = claim.info.token
+    gathered = world.gather_checked((digests, writer), error, f"save of {name}")
+    writer = gathered[0][1]
+    data_dir = f"{name}/{WRITER_DIR_PREFIX}{writer}" if writer else name
     if plans is not None:
-        plans.decide(gathered, world.rank)
+        plans.decide([theirs for theirs, _ in gathered], world.rank)
     total = sum(c.nbytes for c in captured)
     incremental = None
     if spec.save.incremental:
@@ -414,7 +429,7 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
         # claim names); every rank references the same one.
         incremental = IncrementalState(world.from_leader(hold_previous, backend, claim))
     with Progress(total, f"save {name}") as progress:
-        files, error = attempt(write_components, backend, name, captured, spec.storage,
+        files, error = attempt(write_components, backend, data_dir, captured, spec.storage,
                                world, progress, incremental, plans)
     report = None if error is not None else (
         files, incremental and (incremental.digests, incremental.referenced),
@@ -430,7 +445,8 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
         else:
             committed, commit_error = attempt(_commit_reports, backend, spec, captured, name,
                                               [r for _, r in reports], step, tokens_seen,
-                                              extra, world.size, claim, incremental, plans)
+                                              extra, world.size, claim, incremental, plans,
+                                              writer)
             if commit_error is not None:
                 failure = (f"committing {shown} failed on 1 of {world.size} ranks "
                            f"(rank 0: {describe(commit_error)})")
@@ -460,15 +476,16 @@ def _commit_reports(backend: StorageBackend, spec: RegistrySpec, captured: list[
                     name: str, reports: list[Any], step: int, tokens_seen: int | None,
                     extra: dict[str, Any], world_size: int, claim: Claim | None,
                     incremental: IncrementalState | None,
-                    plans: SavePlans | None) -> Committed:
+                    plans: SavePlans | None, writer: str | None = None) -> Committed:
     """On rank 0: the `.metadata` of components written by kept plans, then the manifest of
     every rank's files, committed."""
     written = plans.finish([outgoing for _, _, outgoing in reports]) if plans else []
-    prefix = f"{name}/"
+    prefix = f"{name}/{WRITER_DIR_PREFIX}{writer}/" if writer else f"{name}/"
     written = [WrittenFile(f.path.removeprefix(prefix), f.size, f.checksum) for f in written]
     every_file = sorted({f.path: f for files, _, _ in reports for f in [*files, *written]}
                         .values(), key=lambda f: f.path)
-    manifest = build_manifest(spec, captured, every_file, step, tokens_seen, extra, world_size)
+    manifest = build_manifest(spec, captured, every_file, step, tokens_seen, extra, world_size,
+                              writer)
     previous = incremental.previous if incremental is not None else None
     if incremental is not None:
         referenced = {path for _, (_, paths), _ in reports for path in paths}

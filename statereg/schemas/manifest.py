@@ -7,13 +7,26 @@ import re
 from typing import Any, Literal, get_args, get_origin
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from statereg.errors import ManifestError, SpecError
 from statereg.schemas.spec import Format, Kind, Sharing
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = "1.1"  # 1.1: FileRecord.codec, references, digests
+# 1.1: FileRecord.codec, references, digests. 1.2: `writer`, written only by saves on a
+# store that does not enforce exclusive creates; every other manifest is still written as
+# 1.1, byte for byte what a 1.1 reader accepts.
+FORMAT_VERSION = "1.2"
+PLAIN_FORMAT_VERSION = "1.1"
+# A save with a writer token keeps every file of its checkpoint under this directory.
+WRITER_DIR_PREFIX = "writer-"
 # A manifest lists files and small metadata; anything larger is not one we wrote. Its size
 # grows with the tensor items of incremental saves (one digest each, ~95 bytes): 128 MiB is
 # ~1.4M items, which parse in ~1.6 us each (benchmarks/bench_manifest.py,
@@ -114,6 +127,45 @@ class Manifest(_Record):
         "each tensor item, so a later save can reference unchanged ones.",
     )
 
+    writer: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{32}$",
+        description="Saves on a store without exclusive creates: the save attempt's random "
+        "token. Every file of the checkpoint lies under 'writer-<token>/' (its `files` paths "
+        "say so), so two savers racing one step never write the same file. Absent otherwise.",
+    )
+
+    @model_validator(mode="after")
+    def _files_under_the_writer(self) -> Manifest:
+        prefix = self.data_prefix
+        if prefix:
+            stray = [f.path for f in self.files if not f.path.startswith(prefix)]
+            if stray:
+                raise ValueError(f"file {stray[0]!r} is not under {prefix!r}, the directory "
+                                 "of this manifest's writer")
+        return self
+
+    @property
+    def data_prefix(self) -> str:
+        """'writer-<token>/' for a checkpoint saved under a writer token, else ''."""
+        return f"{WRITER_DIR_PREFIX}{self.writer}/" if self.writer else ""
+
+    def data_dir(self, name: str) -> str:
+        """Where the component directories of checkpoint `name` lie, relative to the root."""
+        return f"{name}/{WRITER_DIR_PREFIX}{self.writer}" if self.writer else name
+
+    def without_writer(self) -> Manifest:
+        """This manifest with paths relative to data_dir() (as a manifest without a writer
+        has them): what the layouts read components by."""
+        prefix = self.data_prefix
+        if not prefix:
+            return self
+        files = [f.model_copy(update={"path": f.path.removeprefix(prefix)}) for f in self.files]
+        components = {name: record.model_copy(update={
+                          "files": [p.removeprefix(prefix) for p in record.files]})
+                      for name, record in self.components.items()}
+        return self.model_copy(update={"writer": None, "files": files,
+                                       "components": components})
+
     @field_validator("references")
     @classmethod
     def _references_name_checkpoints(cls, value: list[FileRecord]) -> list[FileRecord]:
@@ -139,6 +191,8 @@ class Manifest(_Record):
     def to_json(self) -> bytes:
         """Serialize deterministically (sorted keys, indented) as UTF-8 JSON."""
         data = self.model_dump(mode="json")
+        if data.get("writer") is None:  # a 1.1 manifest, as a 1.1 reader expects it
+            data.pop("writer", None)
         try:
             return orjson.dumps(data, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
         except TypeError:  # nesting past orjson's 254 levels, which the reader still accepts

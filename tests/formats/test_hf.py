@@ -47,7 +47,8 @@ def test_safetensors_component_round_trips_on_every_backend(store):
     spec = _spec(store.url, store.options, format="safetensors", max_shard_size="3KB")
     url = statereg.CheckpointManager(spec, model=model).save(step=7)
 
-    record = statereg.read_manifest(url, store.options).components["model"]
+    # Paths below the writer directory where the store needs one (GCS emulator).
+    record = statereg.read_manifest(url, store.options).without_writer().components["model"]
     assert record.format == "safetensors"
     shards = [f for f in record.files if f.endswith(".safetensors")]
     assert shards == [f"model/model-{i:05d}-of-{len(shards):05d}.safetensors"

@@ -5,6 +5,7 @@ GCS ifGenerationMatch=0), local disk with link(2), never with a local lock file.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -299,3 +300,222 @@ def test_a_saver_whose_claim_was_written_over_does_not_commit(tmp_path, monkeypa
     assert isinstance(error, statereg.CheckpointInProgressError), error
     assert "nothing was committed by this save" in str(error)
     assert not (tmp_path / "root" / "step_00000003" / "manifest.json").exists()
+
+
+RACE_ROUNDS = 20
+
+
+def race_every_step(url: str, options: dict, steps: list[int], seed: int, barrier: Any,
+                    results: Any) -> None:
+    """Save each of `steps` with this saver's state (`seed`), meeting the other saver at the
+    barrier before each, so every step is raced; report ("committed", step, seed, ""),
+    ("refused", step, type, message) for a StateregError, or ("escaped", step, type,
+    message) for anything else save() let out."""
+    torch.set_num_threads(1)
+    state = TinyState.trained(seed)
+    mgr = statereg.CheckpointManager(declaration(url, options, SINGLE_COMPONENTS),
+                                     **state.objects())
+    for step in steps:
+        barrier.wait(60)
+        try:
+            mgr.save(step=step, extra={"seed": seed})
+        except statereg.StateregError as exc:
+            results.put(("refused", step, type(exc).__name__, str(exc)))
+        except BaseException as exc:
+            results.put(("escaped", step, type(exc).__name__, str(exc)))
+        else:
+            results.put(("committed", step, seed, ""))
+
+
+class _Root:
+    def __init__(self, url: str, options: dict) -> None:
+        self.url, self.options = url, options
+
+
+@pytest.fixture(params=["local", "ignoring-s3"])
+def race_root(request, tmp_path) -> _Root:
+    """A root on local disk, or on an S3 server that ignores conditional creates (moto
+    behind a relay that strips If-None-Match, as s3rver and older on-prem servers do)."""
+    if request.param == "local":
+        return _Root(str(tmp_path / "root"), {})
+    from storage_servers import new_bucket, s3_options
+    proxy = request.getfixturevalue("condition_ignoring_proxy")
+    bucket = new_bucket(request.getfixturevalue("s3_admin"))
+    return _Root(f"s3://{bucket}/run", s3_options(proxy.endpoint))
+
+
+def test_two_writers_racing_every_step_never_leave_a_false_commit(race_root):
+    """Issue 25 case 8: on a store that ignores conditional creates, two writers racing one
+    step were told "committed" for a checkpoint that fails verify, let DCP's bare
+    RuntimeError("Checkpoint already exists") out of save(), and the loser was told its
+    claim "lapsed, or gc removed it". Over 20 raced steps: at most one saver is told
+    committed per step, and its checkpoint verifies and loads bit-exact with its own state;
+    nothing but a StateregError escapes save(); every checkpoint that stands loads; a loser
+    is told it lost a race with another writer (or that the step is taken)."""
+    steps = list(range(1, RACE_ROUNDS + 1))
+    context = forkserver()
+    barrier = context.Barrier(2)
+    results = context.Queue()
+    children = [context.Process(target=race_every_step,
+                                args=(race_root.url, race_root.options, steps, seed, barrier,
+                                      results))
+                for seed in (1, 2)]
+    for child in children:
+        child.start()
+    try:
+        reports = collect(results, 2 * len(steps), children, timeout=90)
+    finally:
+        for child in children:
+            child.join(30)
+            if child.exitcode is None:
+                child.kill()
+    escaped = [r for r in reports if r[0] == "escaped"]
+    assert not escaped, escaped
+    for report in reports:
+        if report[0] == "refused":
+            kind, message = report[2], report[3]
+            assert kind in ("CheckpointInProgressError", "CheckpointExistsError"), report
+            assert f"step_{report[1]:08d}" in message, report
+            assert "lapsed, or" not in message, report
+    standing = set(committed_names(race_root.url, race_root.options))
+    for step in steps:
+        name = f"step_{step:08d}"
+        committed = [r[2] for r in reports if r[1] == step and r[0] == "committed"]
+        assert len(committed) <= 1, (step, committed)
+        if committed:
+            assert name in standing, (step, committed)
+        if name not in standing:
+            continue
+        url = f"{race_root.url}/{name}"
+        statereg.verify(url, race_root.options)
+        seed = statereg.read_manifest(url, race_root.options).extra["seed"]
+        assert not committed or seed == committed[0], (step, committed, seed)
+        state = TinyState.trained(9)
+        statereg.CheckpointManager(declaration(race_root.url, race_root.options,
+                                               SINGLE_COMPONENTS),
+                                   **state.objects()).load(step=step)
+        assert_identical(state.snapshot(), TinyState.trained(seed).snapshot())
+
+
+def test_a_saver_overtaken_between_its_claim_check_and_its_manifest_is_not_told_committed(
+        condition_ignoring_proxy, s3_admin, monkeypatch):
+    """Issue 25 case 8, one interleaving pinned down on a store that ignores conditional
+    creates: savers A and B both find step 3 unclaimed; A claims it, writes its files and
+    checks its claim; only then does B's claim land (over A's), and B writes its files while
+    A commits. A's manifest stood for a moment, but its claim is B's: A is told it lost a race
+    (CheckpointExistsError, not "lapsed, or gc removed it"); B's manifest, written after,
+    stands, is told committed, verifies and loads B's values: none of A's files, written under
+    A's own writer directory, was overwritten or named by it."""
+    from storage_servers import new_bucket, s3_options
+
+    url = f"s3://{new_bucket(s3_admin)}/run"
+    options = s3_options(condition_ignoring_proxy.endpoint)
+    decl = declaration(url, options, SINGLE_COMPONENTS)
+    backend_class = type(open_backend(url, options))
+    create = backend_class.create_bytes
+    both_listed = threading.Barrier(2, timeout=60)
+    a_checked, a_done = threading.Event(), threading.Event()
+
+    def create_in_order(self, path: str, data: bytes):
+        saver = threading.current_thread().name
+        if path.endswith(claim_file(0)):
+            both_listed.wait()  # each found the step unclaimed
+            if saver == "saver-b":
+                assert a_checked.wait(60)  # B's claim lands after A checked its own
+        if path.endswith("manifest.sum"):
+            if saver == "saver-a":
+                a_checked.set()
+                assert b_committing.wait(60)  # A commits while B is at its commit too
+            else:
+                b_committing.set()
+                assert a_done.wait(60)  # B's manifest is written after A's
+        return create(self, path, data)
+
+    b_committing = threading.Event()
+    monkeypatch.setattr(backend_class, "create_bytes", create_in_order)
+    outcomes: dict[str, Any] = {}
+
+    def save(name: str, seed: int) -> None:
+        try:
+            statereg.CheckpointManager(decl, **TinyState.trained(seed).objects()).save(
+                step=3, extra={"seed": seed})
+            outcomes[name] = "committed"
+        except BaseException as exc:
+            outcomes[name] = exc
+        finally:
+            if name == "saver-a":
+                a_done.set()
+
+    threads = [threading.Thread(target=save, args=(n, s), name=n)
+               for n, s in (("saver-a", 1), ("saver-b", 2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+
+    error = outcomes["saver-a"]
+    assert isinstance(error, statereg.CheckpointExistsError), outcomes
+    assert "lost a race with another writer" in str(error)
+    assert f"its claim {claim_file(0)} replaced this one's" in str(error)
+    assert "does not enforce conditional creates" in str(error)
+    assert "lapsed, or" not in str(error)
+    assert outcomes["saver-b"] == "committed", outcomes
+    checkpoint = f"{url}/step_00000003"
+    statereg.verify(checkpoint, options)
+    manifest = statereg.read_manifest(checkpoint, options)
+    assert manifest.extra == {"seed": 2} and manifest.writer is not None
+    assert all(f.path.startswith(f"writer-{manifest.writer}/") for f in manifest.files)
+    state = TinyState.trained(9)
+    statereg.CheckpointManager(decl, **state.objects()).load(step=3)
+    assert_identical(state.snapshot(), TinyState.trained(2).snapshot())
+
+
+def test_a_checkpoint_in_a_writer_directory_reads_as_any_other(condition_ignoring_proxy,
+                                                                 s3_admin, tmp_path):
+    """On a store without exclusive creates every file of a save lies under its writer
+    directory. Everything that reads checkpoints follows it: an incremental save references
+    the previous one's files there, load, `statereg cp` (the copy has no writer directory)
+    and plain `dcp.load` of `step_N/writer-<token>/model`."""
+    import torch.distributed.checkpoint as dcp
+    from storage_servers import new_bucket, s3_options
+
+    from statereg.cli import main as cli
+
+    url = f"s3://{new_bucket(s3_admin)}/run"
+    options = s3_options(condition_ignoring_proxy.endpoint)
+    decl = declaration(url, options, SINGLE_COMPONENTS)
+    decl["save"]["incremental"] = True
+    state = TinyState.trained(4)
+    mgr = statereg.CheckpointManager(decl, **state.objects())
+    mgr.save(step=1)
+    mgr.save(step=2)  # the same values: every tensor item is referenced from step 1
+    first = statereg.read_manifest(f"{url}/step_00000001", options)
+    second = statereg.read_manifest(f"{url}/step_00000002", options)
+    assert first.writer and second.writer and first.writer != second.writer
+    assert first.format_version == "1.2"
+    assert second.references and all(
+        r.path.startswith(f"step_00000001/writer-{first.writer}/") for r in second.references)
+
+    for step in (1, 2):
+        statereg.verify(f"{url}/step_{step:08d}", options)
+        loaded = TinyState.trained(9)
+        statereg.CheckpointManager(decl, **loaded.objects()).load(step=step)
+        assert_identical(loaded.snapshot(), state.snapshot())
+
+    copy_root = str(tmp_path / "copy")
+    assert cli(["cp", f"{url}/step_00000002", copy_root, "--src-options",
+                json.dumps(options)]) in (0, None)
+    copied = statereg.read_manifest(f"{copy_root}/step_00000002")
+    assert copied.writer is None and not copied.references
+    assert all(not f.path.startswith("writer-") for f in copied.files)
+    loaded = TinyState.trained(9)
+    statereg.CheckpointManager(declaration(copy_root, {}, SINGLE_COMPONENTS),
+                               **loaded.objects()).load(step=2)
+    assert_identical(loaded.snapshot(), state.snapshot())
+
+    local = tmp_path / "plain"
+    s3_admin.get(f"{url.removeprefix('s3://')}/step_00000001/writer-{first.writer}/model",
+                 str(local), recursive=True)
+    plain = {k: torch.zeros_like(v) for k, v in state.model.state_dict().items()}
+    dcp.load(plain, checkpoint_id=str(local), no_dist=True)
+    assert_identical(plain, dict(state.model.state_dict()))

@@ -13,7 +13,7 @@ import time
 import crash_driver
 import pytest
 from crash_driver import SINGLE_COMPONENTS, TinyState, declaration
-from reliability_kit import KILLED, committed_names, run_child
+from reliability_kit import KILLED, assert_identical, committed_names, run_child
 
 import statereg
 from statereg.backends.registry import open_backend
@@ -197,3 +197,90 @@ def store_local(tmp_path):
         options: dict = {}
 
     return Local()
+
+
+def _plant_hostile_claim(root: str, shape: str, outside) -> str:
+    """Put `shape` where step 5's first claim goes; returns its path. `outside` is a folder
+    outside the root whose contents must survive whatever statereg does."""
+    path = os.path.join(root, "step_00000005", claim_file(0))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    (outside / "victim").write_bytes(b"keep me")
+    if shape == "link-to-file":
+        os.symlink(outside / "victim", path)
+    elif shape == "link-to-directory":
+        os.symlink(outside, path)
+    elif shape == "dangling-link":
+        os.symlink(outside / "absent", path)
+    elif shape == "fifo":
+        os.mkfifo(path)
+    elif shape == "directory":
+        os.makedirs(path)
+        with open(os.path.join(path, "junk"), "wb") as f:
+            f.write(b"x")
+    else:
+        with open(path, "wb") as f:
+            f.write(b"\x00not a claim\xff")
+    return path
+
+
+HOSTILE_CLAIMS = ["link-to-file", "link-to-directory", "dangling-link", "fifo", "directory",
+                  "garbage"]
+
+
+@pytest.mark.parametrize("shape", HOSTILE_CLAIMS)
+def test_a_hostile_claim_file_is_no_live_claim_and_the_save_commits(tmp_path, shape):
+    """Issue 25 case 4: a `.claim-00000` that is a link, FIFO, directory or garbage made
+    save(step=5) fail for good with CheckpointInProgressError. It is no claim statereg
+    writes, so it never holds the step: the save commits, the entry is gone, and nothing a
+    link points to is touched."""
+    root, outside = str(tmp_path / "root"), tmp_path / "outside"
+    outside.mkdir()
+    path = _plant_hostile_claim(root, shape, outside)
+    state = TinyState.trained(5)
+    decl = declaration(root, {}, SINGLE_COMPONENTS)
+    statereg.CheckpointManager(decl, **state.objects()).save(step=5)
+
+    assert not os.path.lexists(path)
+    assert (outside / "victim").read_bytes() == b"keep me"
+    assert sorted(os.listdir(outside)) == ["victim"]
+    statereg.verify(f"{root}/step_00000005")
+    loaded = TinyState.trained(1)
+    statereg.CheckpointManager(decl, **loaded.objects()).load(step=5)
+    assert_identical(loaded.snapshot(), state.snapshot())
+
+
+@pytest.mark.parametrize("shape", HOSTILE_CLAIMS)
+def test_gc_deletes_a_directory_with_a_hostile_claim_as_its_dry_run_said(tmp_path, shape,
+                                                                          capsys):
+    """Issue 25 case 4: gc's dry run said it would delete such a directory, then `--delete`
+    kept it and exited 0. Both agree now, and nothing outside the root is touched."""
+    root, outside = str(tmp_path / "root"), tmp_path / "outside"
+    outside.mkdir()
+    _plant_hostile_claim(root, shape, outside)
+
+    assert cli(["gc", root, "--grace", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: 1 of 1 leftovers" in out and "would be deleted" in out
+    assert cli(["gc", root, "--grace", "0", "--delete"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted 1 of 1 leftovers" in out, out
+    assert not os.path.lexists(os.path.join(root, "step_00000005"))
+    assert (outside / "victim").read_bytes() == b"keep me"
+    assert sorted(os.listdir(outside)) == ["victim"]
+
+
+def test_gc_delete_exits_non_zero_when_it_cannot_delete_what_its_dry_run_listed(
+        tmp_path, capsys, monkeypatch):
+    """A deletion the dry run promised and that fails for any reason but a save that holds
+    the directory now is a failure: one line on stderr, exit 1 (it was `keep`, exit 0)."""
+    root = str(tmp_path / "root")
+    plant(open_backend(root), {"step_00000003/model/__0_0.distcp": b"x"})
+
+    def refuse(*args, **kwargs):
+        raise statereg.CheckpointInProgressError("step_00000003: other saves kept claiming")
+
+    monkeypatch.setattr("statereg.engine.gc.claim_checkpoint", refuse)
+    assert cli(["gc", root, "--grace", "0", "--delete"]) == 1
+    captured = capsys.readouterr()
+    assert "failed: step_00000003: other saves kept claiming" in captured.out
+    assert "1 deletions failed (step_00000003)" in captured.err
