@@ -306,12 +306,13 @@ def killed_at(point: str, backend: StorageBackend, victim: str) -> Iterator[thre
 def paused_at_first_file(backend: StorageBackend, victim: str,
                          ) -> Iterator[tuple[threading.Event, threading.Event]]:
     """While inside, the save of `victim` stops before its first data file (claimed, its
-    base named in the claim) until `go` is set; `there` is set when it stops."""
+    base named in the claim) until `go` is set; `there` is set when it stops. Every writer
+    thread of the save stops at its first file, so nothing changes on storage meanwhile."""
     there, go = threading.Event(), threading.Event()
     original_open = backend.open_write
 
     def open_write(path: str, on_done: Any = None) -> Any:
-        if path.startswith(f"{victim}/") and "/.claim-" not in path and not there.is_set():
+        if path.startswith(f"{victim}/") and "/.claim-" not in path and not go.is_set():
             there.set()
             go.wait(60)
         return original_open(path, on_done)
