@@ -14,6 +14,7 @@ import json
 import os
 import stat
 import threading
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -336,14 +337,20 @@ class CliRun:
 
 
 def run_cli(*argv: str) -> CliRun:
-    """`statereg ARGV` in this process. Any exception but SystemExit escapes (the CLI turns
-    every StateregError into one line and an exit code; anything else is a traceback)."""
+    """`statereg ARGV` in this process. The CLI turns every StateregError into one line and
+    an exit code; an exception that escapes it is what a user sees as a traceback: it is
+    returned as exit code -1 with the traceback on stderr."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = cli.main(list(argv))
         except SystemExit as exc:  # argparse
             code = exc.code if isinstance(exc.code, int) else 2
+        except BaseException as exc:  # DCP's CheckpointException is not an Exception
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            code = -1
+            traceback.print_exc()
     return CliRun(tuple(argv), code, out.getvalue(), err.getvalue())
 
 

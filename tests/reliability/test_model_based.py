@@ -810,14 +810,18 @@ def quiet() -> Iterator[None]:
     logging.disable(logging.NOTSET)
 
 
-def test_model_on_local_disk(tmp_path, quiet):
+def local_env(tmp_path: Any) -> Env:
     from fsspec.implementations.local import LocalFileSystem
 
     def make_root(name: str) -> Root:
         path = str(tmp_path / name)
         return Root(path, {}, LocalFileSystem(), path, local=True)
 
-    run_model(Env("local", make_root), CI_EXAMPLES["local"])
+    return Env("local", make_root)
+
+
+def test_model_on_local_disk(tmp_path, quiet):
+    run_model(local_env(tmp_path), CI_EXAMPLES["local"])
 
 
 def s3_env(kind: str, endpoint: str, admin: Any) -> Env:
@@ -839,3 +843,132 @@ def test_model_on_a_store_that_ignores_conditional_creates(condition_ignoring_pr
     run_model(s3_env("no-conditional-s3", condition_ignoring_proxy.endpoint, s3_admin),
               CI_EXAMPLES["no-conditional-s3"])
 
+
+
+# -- shrunk sequences, replayed: one per distinct failure the model found on the code of
+# issue 25 (xfail until its case is fixed; drop the marker with the fix) -----------------------
+
+
+def replay(tmp_path: Any, main: dict[str, Any], *steps: tuple[str, dict[str, Any]],
+           other: dict[str, Any] | None = None, other_mode: str = "plain") -> None:
+    """Run `steps` (rule name, arguments) on local disk, checking the invariant after each."""
+    machine = type("Replay", (StorageModel,), {"env": local_env(tmp_path)})()
+    try:
+        machine.configure(main=main, other=other or {}, other_mode=other_mode)
+        machine.every_listed_checkpoint_loads_or_is_reported_damaged()
+        for name, kwargs in steps:
+            getattr(machine, name)(**kwargs)
+            machine.every_listed_checkpoint_loads_or_is_reported_damaged()
+    finally:
+        machine.teardown()
+
+
+SAVE = ("save", {"mode": "plain", "train": True, "level": 1})
+SAVE_INCREMENTAL = ("save", {"mode": "incremental", "train": True, "level": 1})
+
+
+@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 1")
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_regression_retention_keeps_intact_older_than_damaged_newer(tmp_path, quiet, how):
+    # step 2's first tensor file (deps sorted: model/.metadata, model/__0_0.distcp, ...)
+    replay(tmp_path, {"keep_last": 2}, SAVE, SAVE,
+           ("damage_a_file", {"pick": 1, "file": 1, "how": how, "where": 0.5}), SAVE)
+
+
+@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 2")
+def test_regression_incremental_reuse_never_spreads_a_damaged_base(tmp_path, quiet):
+    # Step 2 references step 1's base; a byte of it flips; step 3 references it again.
+    replay(tmp_path, {"keep_last": 3}, SAVE_INCREMENTAL, SAVE_INCREMENTAL,
+           ("damage_a_file", {"pick": 0, "file": 1, "how": "flip", "where": 0.5}),
+           SAVE_INCREMENTAL)
+
+
+@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 3")
+def test_regression_gc_keeps_the_base_a_running_incremental_save_named(tmp_path, quiet):
+    replay(tmp_path, {"keep_last": 1}, SAVE_INCREMENTAL,
+           ("save_while_others_work", {"during": ["second writer saves", "gc --delete"],
+                                       "train": False}),
+           other={"keep_last": 1})
+
+
+@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 4")
+@pytest.mark.parametrize("how", ["link", "fifo"])
+def test_regression_gc_delete_removes_a_planted_claim_or_fails(tmp_path, quiet, how):
+    replay(tmp_path, {"keep_last": 1}, ("plant_a_claim", {"how": how, "ahead": 0}),
+           ("gc", {"delete": True, "via_cli": True}))
+
+
+@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 5")
+def test_regression_a_save_commits_only_a_manifest_readers_accept(tmp_path, quiet):
+    replay(tmp_path, {"keep_last": 1}, ("save_with_bad_arguments",
+                                        {"which": "huge tokens_seen"}), SAVE)
+
+
+@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 6")
+def test_regression_a_huge_int_in_extra_is_a_spec_error(tmp_path, quiet):
+    replay(tmp_path, {"keep_last": 1}, ("save_with_bad_arguments",
+                                        {"which": "huge int in extra"}))
+
+
+@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 6")
+def test_regression_load_verify_off_of_a_missing_file_is_a_statereg_error(tmp_path, quiet):
+    replay(tmp_path, {"keep_last": 1}, SAVE,
+           ("damage_a_file", {"pick": 0, "file": 1, "how": "delete", "where": 0.5}),
+           ("load_by_step", {"pick": 0, "verify": "off"}))
+
+
+@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 6")
+def test_regression_export_hf_of_a_missing_file_is_a_statereg_error(tmp_path, quiet):
+    replay(tmp_path, {"keep_last": 1}, SAVE,
+           ("damage_a_file", {"pick": 0, "file": 1, "how": "delete", "where": 0.5}),
+           ("cli_reads", {"pick": 0, "command": "export-hf"}))
+
+
+@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 6")
+@pytest.mark.parametrize("how", ["link", "fifo"])
+@pytest.mark.parametrize("via_cli", [True, False])
+def test_regression_one_special_manifest_does_not_fail_gc_for_the_root(tmp_path, quiet, how,
+                                                                         via_cli):
+    replay(tmp_path, {"keep_last": 2}, SAVE, SAVE,
+           ("damage_a_manifest", {"pick": 0, "which": "manifest.json", "how": how, "to": 1}),
+           ("gc", {"delete": False, "via_cli": via_cli}))
+
+
+@pytest.mark.xfail(strict=True,
+                   reason="new (not in issue 25): a claim that another thread of this process "
+                   "has created but not yet registered reads as an ended save's, so a second "
+                   "saver takes it over and both write the step")
+def test_regression_a_claim_another_thread_is_still_taking_is_live(tmp_path, quiet):
+    """What the model's two_writers_race_for_one_step found by timing, made deterministic:
+    saver A stops right after creating its claim; saver B of the same step must be refused."""
+    root = str(tmp_path / "run")
+    a, b = Live(1), Live(2)
+    mgr_a = statereg.CheckpointManager(declaration(root, {}), **a.objects())
+    mgr_b = statereg.CheckpointManager(declaration(root, {}), **b.objects())
+    created, go = threading.Event(), threading.Event()
+    backend = mgr_a._backend
+    original = backend.create_bytes
+
+    def create_bytes(path: str, data: bytes) -> Any:
+        done = original(path, data)
+        if "/.claim-" in path and threading.current_thread().name == "saver-a":
+            created.set()
+            go.wait(30)
+        return done
+
+    backend.create_bytes = create_bytes  # type: ignore[method-assign]
+    results: dict[str, Any] = {}
+    saver = threading.Thread(target=lambda: results.setdefault("a", StorageModel.call(
+        "save", lambda: mgr_a.save(step=1))), name="saver-a")
+    saver.start()
+    try:
+        assert created.wait(30)
+        refused = StorageModel.call("save", lambda: mgr_b.save(step=1))
+    finally:
+        go.set()
+        saver.join(60)
+    assert isinstance(refused, statereg.CheckpointInProgressError), refused
+    assert not isinstance(results["a"], statereg.StateregError), results["a"]
+    fresh = Live(99)
+    statereg.CheckpointManager(declaration(root, {}), **fresh.objects()).load(step=1)
+    assert_identical(fresh.snapshot()["model"], a.snapshot()["model"])
