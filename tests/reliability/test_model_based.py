@@ -63,10 +63,10 @@ from statereg.engine.checkpoints import checkpoint_name, step_of
 from statereg.engine.copy import copy_checkpoint
 from statereg.engine.gc import collect_garbage, find_leftovers
 
-STEPS = int(os.environ.get("STATEREG_MODEL_STEPS", "12"))
+STEPS = int(os.environ.get("STATEREG_MODEL_STEPS", "20"))
 SEED = os.environ.get("STATEREG_MODEL_SEED")
 # Sequences per store in CI; STATEREG_MODEL_EXAMPLES sets every store's count.
-CI_EXAMPLES = {"local": 10, "s3": 1, "no-conditional-s3": 1}
+CI_EXAMPLES = {"local": 8, "s3": 1, "no-conditional-s3": 1}
 
 
 class Violation(AssertionError):
@@ -402,6 +402,12 @@ class StorageModel(RuleBasedStateMachine):
 
         error = self.call(f"save(step={step}, {mode})", save)
         self.after_save("main", step, state, metric, error, before, self.rules_main, must)
+
+    @rule(mode=st.sampled_from(SAVE_MODES), level=st.integers(0, 3))
+    def train_and_save(self, mode: str, level: int) -> None:
+        """The common case, drawn as often again as every other save: saves outnumber the
+        rest, so damage meets retention and incremental reuse within a few steps."""
+        self.save(mode, True, level)
 
     @rule(train=st.booleans(), level=st.integers(0, 3))
     def second_writer_saves(self, train: bool, level: int) -> None:
