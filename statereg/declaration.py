@@ -70,6 +70,21 @@ def _read_yaml(path: Path) -> Any:
         raise SpecError(f"{where}: invalid YAML: {problem}") from None
 
 
+def read_declaration(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """The declaration as written (a YAML file's mapping, or a copy of a dict), before
+    defaults, environment overrides and validation: for integrations that add components."""
+    if isinstance(source, Mapping):
+        return copy.deepcopy(dict(source))
+    path = Path(source)
+    data = _read_yaml(path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: the declaration must be a mapping with 'storage' and "
+                        "'components'")
+    return data
+
+
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any, source: str) -> None:
     keys = dotted.split(".")
     node = data

@@ -142,3 +142,14 @@ def test_gpu_benchmark_imports_and_skips_without_cuda() -> None:
                           capture_output=True, text=True, timeout=120, cwd=REPO / "benchmarks")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no CUDA device: nothing to measure" in done.stdout
+
+
+def test_auto_cadence_benchmark_runs_and_reports_each_mode() -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_auto_cadence.py"), "--quick"],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+    assert set(results) == {"off", "thread"}
+    for row in results.values():
+        assert row["steps"] > 0 and row["interval_s"] > 0 and 0 <= row["goodput"] <= 1

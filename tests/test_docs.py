@@ -20,7 +20,7 @@ _BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 
 def _examples() -> list[tuple[str, str]]:
     found = []
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("**/*.md"))]:
         if not doc.exists():
             continue
         for i, code in enumerate(_BLOCK.findall(doc.read_text())):

@@ -1,0 +1,398 @@
+"""statereg for PyTorch Lightning: one Callback that saves and resumes a fit exactly.
+
+    trainer = Trainer(callbacks=[StateregCheckpoint("statereg.yaml", every_n_train_steps=100)],
+                      enable_checkpointing=False)
+    trainer.fit(model)          # a new fit() resumes from the newest committed checkpoint
+
+What it saves, as statereg components (a declaration may name any of them to change how it is
+stored, e.g. `model: {kind: model, format: safetensors}`): `model` (the LightningModule),
+`optimizer` (`optimizer_1`, ...: every optimizer of the module), `scheduler` (`scheduler_1`,
+...), `train_dataloader` (`train_dataloader_1`, ...: must be stateful, e.g. torchdata's
+StatefulDataLoader), `rng` (Python, NumPy, torch, CUDA generators) and `fit_loop` (Lightning's
+loop progress: epoch, global step, batch within the epoch).
+
+Why a Callback and not a CheckpointIO: CheckpointIO receives a finished dict and a path, never
+the live objects, so it cannot load tensors in place (format dcp, sharded) nor restore a
+dataloader before Lightning iterates it. Lightning's own checkpoints hold no RNG state, so
+they do not resume exactly (docs/integrations/lightning.md).
+
+Where it hooks, and why (the order decides exactness):
+- `on_fit_start` (after the strategy built optimizers and wrapped the model, before the fit
+  loop starts): build the manager and load model, optimizers, schedulers and the fit loop's
+  progress, so Lightning's loop restarts mid-epoch as from its own checkpoint.
+- `on_train_start` (Lightning built the loader and iterated it from the epoch's start): set
+  its sampler's epoch, give it its saved position (statereg's `train_dataloader` component,
+  one per rank), iterate it again, and only then restore the RNG, so the draws that making
+  an iterator takes (DataLoader's base seed) do not shift the training stream.
+- `on_train_batch_end` (after the optimizer and the step-interval schedulers stepped): save.
+- `on_validation_start`/`end`: validation is made neutral to the training RNG stream (its
+  state is put back when validation ends), so a resumed run, which does not repeat the
+  validation of the saved step, draws exactly what an uninterrupted one draws.
+
+A save after the last batch of an epoch resumes at the next epoch's start: the loader is not
+restored (it would be at its end), and its iterator is made again after the RNG is restored,
+drawing what an uninterrupted run draws there.
+
+Lightning's private name used: `trainer.fit_loop._data_fetcher` (iterated again after the
+loader's position is restored). Tested with lightning 2.6.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from os import PathLike
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from statereg.declaration import load_spec, read_declaration
+from statereg.engine.load import LoadResult
+from statereg.errors import SpecError
+from statereg.manager import CheckpointManager
+from statereg.schemas.spec import RegistrySpec
+from statereg.state.ddp import DDPBucketLayout
+from statereg.state.rng import RNGAdapter
+
+try:  # Lightning is needed only when this module is used: import it here, not in statereg
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - the standalone package
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+
+logger = logging.getLogger("statereg")
+
+
+def _indexed(base: str, index: int) -> str:
+    return base if index == 0 else f"{base}_{index}"
+
+
+def _set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """What Lightning does at each epoch's start (loops/utilities.py): set_epoch on the
+    loader's samplers that have it."""
+    for sampler in (getattr(loader, "sampler", None),
+                    getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+
+
+def _wrapped_generator(loader: Any) -> torch.Generator | None:
+    """The generator of the sampler Lightning wrapped in a DistributedSamplerWrapper.
+
+    Under DDP, Lightning puts a shuffling loader's own sampler (torchdata's RandomSampler,
+    which draws from a generator of its own) inside a DistributedSamplerWrapper, which draws
+    the epoch's order from it when the epoch's iterator starts; the loader's state does not
+    reach it there, so its generator is kept here (Lightning's private `_sampler`)."""
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    generator = getattr(inner, "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
+
+
+class _TrainLoader:
+    """The fit's train dataloader as a dataloader component: the loader's state, and the
+    generator of a sampler Lightning wrapped (see _wrapped_generator). A load keeps the state
+    until on_train_start, the first hook that sees the loader."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.restored: dict[str, Any] | None = None
+
+    def loader(self) -> Any:
+        loader = self.trainer.train_dataloader
+        if loader is None:
+            raise SpecError("StateregCheckpoint: the fit has no train dataloader to save")
+        if not (callable(getattr(loader, "state_dict", None))
+                and callable(getattr(loader, "load_state_dict", None))):
+            raise SpecError(
+                f"StateregCheckpoint: the train dataloader ({type(loader).__name__}) is not "
+                "stateful, so a resume cannot continue mid-epoch exactly: build it with "
+                "torchdata.stateful_dataloader.StatefulDataLoader (the same arguments as "
+                "DataLoader), or give it state_dict() and load_state_dict() (one loader: "
+                "combine several into one)"
+            )
+        return loader
+
+    def check_sized(self) -> None:
+        if self.trainer.num_training_batches == float("inf"):
+            raise SpecError(
+                "StateregCheckpoint: the train dataloader has no length (an IterableDataset "
+                "without __len__), so Lightning fetches one batch ahead of the step, and the "
+                "loader's state at a save would skip a batch on resume; give the dataset a "
+                "__len__ (or limit_train_batches) to resume exactly"
+            )
+
+    def generator(self) -> torch.Generator | None:
+        return _wrapped_generator(self.loader())
+
+    def state_dict(self) -> dict[str, Any]:
+        generator = self.generator()
+        return {"loader": self.loader().state_dict(),
+                "sampler_generator": None if generator is None else generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.restored = state  # applied by StateregCheckpoint.on_train_start
+
+
+class _EpochStream:
+    """What the current epoch's loader iterator found when it was made (per rank): the
+    global generators, and the wrapped sampler's generator.
+
+    Making an iterator draws from them (the DataLoader's base seed; a sampler's order for the
+    epoch). A mid-epoch resume makes its iterator from this state, so it draws the same."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] | None = None
+
+    def take(self, rng: RNGAdapter, generator: torch.Generator | None) -> None:
+        self.state = {"rng": rng.capture(),
+                      "sampler_generator": None if generator is None else generator.get_state()}
+
+    def put_back(self, rng: RNGAdapter, generator: torch.Generator | None) -> None:
+        state = self.state_dict()
+        rng.restore(state["rng"])
+        if generator is not None and state["sampler_generator"] is not None:
+            generator.set_state(state["sampler_generator"])
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.state is None:
+            raise SpecError("StateregCheckpoint: a save before the fit's first epoch started")
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
+class _FitLoopState:
+    """Lightning's fit-loop progress (epoch, step, batch in the epoch) as a custom component,
+    without the loop's copy of the loader state (the train_dataloader component holds it)."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dict(self.trainer.fit_loop.state_dict())
+        own = state.get("state_dict")
+        if isinstance(own, dict):
+            state["state_dict"] = {k: v for k, v in own.items() if k != "combined_loader"}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.fit_loop.load_state_dict(state)
+
+
+class StateregCheckpoint(pl.Callback):
+    """Save and resume a Lightning fit with statereg, bit for bit.
+
+    `spec`: a statereg.yaml path, a dict or a RegistrySpec; it needs `storage` (and may set
+    `save:` and `components:`), the callback declares the trainer's objects itself.
+    Cadence, as Lightning's ModelCheckpoint: `every_n_train_steps`, `train_time_interval`
+    (a timedelta or seconds), `every_n_epochs` (the default, 1, when nothing else is given);
+    `monitor`/`mode`/`save_top_k` keep the best checkpoints by a logged metric (keep_best);
+    `save_last` saves when training ends. `objects`: more live objects for components the
+    declaration names (e.g. an EMA copy). Each save's statistics go to the trainer's
+    loggers as statereg/stall_s, statereg/committed_s and statereg/bytes.
+    """
+
+    def __init__(self, spec: str | PathLike[str] | dict[str, Any] | RegistrySpec, *,
+                 every_n_train_steps: int | None = None,
+                 train_time_interval: timedelta | float | None = None,
+                 every_n_epochs: int | None = None, monitor: str | None = None,
+                 mode: str = "min", save_top_k: int = 1, save_last: bool = True,
+                 objects: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self._declared = (spec.model_dump(by_alias=True, exclude_defaults=True)
+                          if isinstance(spec, RegistrySpec) else read_declaration(spec))
+        save = self._declared.setdefault("save", {})
+        if every_n_train_steps is not None:
+            save["every_steps"] = every_n_train_steps
+        if train_time_interval is not None:
+            save["every_seconds"] = (train_time_interval.total_seconds()
+                                     if isinstance(train_time_interval, timedelta)
+                                     else float(train_time_interval))
+        cadence = any(save.get(k) for k in ("every_steps", "every_seconds", "every"))
+        self.every_n_epochs = every_n_epochs if every_n_epochs or cadence else 1
+        if monitor is not None:
+            save["keep_best"] = {"metric": monitor, "mode": mode, "count": save_top_k}
+        self.monitor = monitor
+        self.save_last = save_last
+        self._objects = dict(objects or {})
+        self.mgr: CheckpointManager | None = None
+        self.restored: LoadResult | None = None
+        self._saved_step: int | None = None
+        self._logged_step: int | None = None
+        self._rng = RNGAdapter("rng")
+        self._loader: _TrainLoader | None = None
+        self._new_epoch = False
+        self._epoch = _EpochStream()
+        self._epoch_taken: int | None = None  # the epoch whose stream on_train_start took
+        self._rng_before_validation: dict[str, Any] | None = None
+
+    # -- building the declaration from the trainer ---------------------------------------
+
+    def _spec(self, trainer: pl.Trainer) -> RegistrySpec:
+        data = dict(self._declared)
+        components: dict[str, Any] = dict(data.get("components") or {})
+        defaults: dict[str, dict[str, Any]] = {
+            "model": {"kind": "model"}, "rng": {"kind": "rng"},
+            "fit_loop": {"kind": "custom", "format": "torch"},
+            "epoch_rng": {"kind": "custom", "sharing": "per_rank", "format": "json"}}
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            defaults["ddp"] = {"kind": "custom"}
+        for i, _ in enumerate(trainer.optimizers):
+            defaults[_indexed("optimizer", i)] = {"kind": "optimizer", "model": "model"}
+        for i, _ in enumerate(trainer.lr_scheduler_configs):
+            defaults[_indexed("scheduler", i)] = {"kind": "scheduler"}
+        defaults["train_dataloader"] = {"kind": "dataloader"}
+        for name, declared in defaults.items():
+            components.setdefault(name, declared)
+        data["components"] = components
+        return load_spec(data)
+
+    def _trainer_objects(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                         ) -> dict[str, Any]:
+        self._loader = _TrainLoader(trainer)
+        objects: dict[str, Any] = {"model": pl_module, "train_dataloader": self._loader,
+                                   "fit_loop": _FitLoopState(trainer),
+                                   "epoch_rng": self._epoch}
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            # A new DDP averages gradients in another bucket order than the run it resumes
+            # (docs/exact-resume.md#under-ddp): its layout is state too.
+            objects["ddp"] = DDPBucketLayout(trainer.strategy.model)
+        for i, optimizer in enumerate(trainer.optimizers):
+            objects[_indexed("optimizer", i)] = optimizer
+        for i, config in enumerate(trainer.lr_scheduler_configs):
+            objects[_indexed("scheduler", i)] = config.scheduler
+        return {**objects, **self._objects}
+
+    # -- resuming -------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        spec = self._spec(trainer)
+        self.mgr = CheckpointManager(spec, **self._trainer_objects(trainer, pl_module))
+        # Everything but the generators: those are restored once the loader was iterated.
+        self.restored = self.mgr.load(exclude=["rng"])
+        if self.restored is not None:
+            self._saved_step = self.restored.step
+            # Saved after the last batch of an epoch, the loader is at that epoch's end, and
+            # restoring it would give the next epoch no batch (Lightning does not iterate a
+            # restored loader again): the next epoch starts from a fresh iterator instead.
+            self._new_epoch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+            if trainer.is_global_zero:
+                logger.info("resuming the fit from %s (global step %d)", self.restored.path,
+                            self.restored.step)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.mgr is not None
+        assert self._loader is not None
+        self._loader.loader()  # refuse a loader that cannot resume, before the first step
+        self._loader.check_sized()
+        # Lightning built the loader and made its first iterator, from the epoch's start.
+        # Every fit makes it again here, so that what it draws follows a known state of the
+        # generators: mid-epoch, the state the saved epoch's iterator found (so a sampler
+        # that draws its order from them replays it), then the loader's saved position,
+        # then the step's generators; otherwise, the current state, kept for this epoch's
+        # saves. The sampler's epoch is set first: DistributedSampler shuffles by it.
+        fetcher = trainer.fit_loop._data_fetcher
+        loader = self._loader.loader()
+        generator = self._loader.generator()
+        epoch = self._epoch_taken = trainer.fit_loop.epoch_progress.current.processed
+        if self.restored is None:
+            self._epoch.take(self._rng, generator)
+        elif self._new_epoch:
+            # The loader's state is at the saved epoch's end: run that iterator out (so the
+            # loader starts its next epoch, its sampler's generator where the epoch left it)
+            # before the generators are restored; the new epoch's iterator is made after.
+            saved = self._loader.restored
+            assert saved is not None
+            loader.load_state_dict(saved["loader"])
+            for _ in loader:
+                pass
+            if generator is not None and saved["sampler_generator"] is not None:
+                generator.set_state(saved["sampler_generator"])
+            self._load_rng()
+            self._epoch.take(self._rng, generator)
+        else:
+            self._epoch.put_back(self._rng, generator)
+        _set_sampler_epoch(loader, epoch)
+        if self.restored is not None and not self._new_epoch:
+            assert self._loader.restored is not None
+            loader.load_state_dict(self._loader.restored["loader"])
+        iter(fetcher)
+        if self.restored is not None and not self._new_epoch:
+            self._load_rng()
+
+    def _load_rng(self) -> None:
+        assert self.mgr is not None and self.restored is not None
+        self.mgr.load(self.restored.path, include=["rng"])
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The epoch's iterator is made after this hook (Lightning's epoch loop), except for
+        # the fit's first epoch, whose iterator on_train_start made.
+        if trainer.fit_loop.epoch_progress.current.processed != self._epoch_taken:
+            assert self._loader is not None
+            self._epoch.take(self._rng, self._loader.generator())
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        assert self.mgr is not None
+        step = trainer.global_step
+        if step != self._saved_step and self._has_step_cadence() and self.mgr.should_save(step):
+            self._save(trainer)
+        self._log_saved(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        n = self.every_n_epochs
+        if n and (trainer.current_epoch + 1) % n == 0 and trainer.global_step != self._saved_step:
+            self._save(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.mgr is not None
+        if self.save_last and trainer.global_step != self._saved_step:
+            self._save(trainer)
+        self.mgr.wait()
+        self._log_saved(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.mgr is not None:
+            self.mgr.close()
+            self.mgr = None
+
+    def _has_step_cadence(self) -> bool:
+        save = self._declared.get("save", {})
+        return any(save.get(k) for k in ("every_steps", "every_seconds", "every"))
+
+    def _save(self, trainer: pl.Trainer) -> None:
+        assert self.mgr is not None
+        extra: dict[str, Any] = {"epoch": trainer.current_epoch}
+        if self.monitor is not None:
+            value = trainer.callback_metrics.get(self.monitor)
+            if value is not None:
+                extra[self.monitor] = float(value)
+        self.mgr.save(step=trainer.global_step, extra=extra)
+        self._saved_step = trainer.global_step
+
+    def _log_saved(self, trainer: pl.Trainer) -> None:
+        """Send the last committed save's statistics to the trainer's loggers (rank 0)."""
+        assert self.mgr is not None
+        info = self.mgr.last_saved
+        if info is None or info.step == self._logged_step or not trainer.is_global_zero:
+            return
+        self._logged_step = info.step
+        metrics = {"statereg/stall_s": info.stall_s, "statereg/committed_s": info.committed_s,
+                   "statereg/bytes": float(info.bytes)}
+        for each in trainer.loggers:
+            each.log_metrics(metrics, step=info.step)
+
+    # -- validation leaves the training RNG stream as it found it -------------------------
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._rng_before_validation = self._rng.capture()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._rng_before_validation is not None:
+            with torch.no_grad():
+                self._rng.restore(self._rng_before_validation)
+            self._rng_before_validation = None

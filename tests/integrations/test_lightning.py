@@ -1,0 +1,193 @@
+"""statereg.integrations.lightning: real Lightning fits saved, SIGKILLed and resumed.
+
+The fits are examples/lightning_train.py itself (the script docs/integrations/lightning.md
+shows), run as a user runs it: a process per fit, killed with SIGKILL mid-epoch, resumed by
+running it again; every loss after the resume must equal the uninterrupted run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import statereg  # noqa: E402
+from statereg.integrations.lightning import StateregCheckpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "lightning_train.py"
+
+
+def fit(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+        killed: bool = False) -> None:
+    """Run the example once, in a session of its own (a DDP run's ranks are killed as one)."""
+    done = subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=tmp_path,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          start_new_session=True, timeout=400)
+    if killed:
+        assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    else:
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
+def losses(path: Path) -> dict[int, str]:
+    """Each step's loss, as float.hex() (exact), from the example's --losses file."""
+    return {int(step): value for step, value in (line.split() for line in path.open())}
+
+
+@pytest.mark.parametrize("devices", [1, 4], ids=["1-process", "ddp-4-ranks"])
+def test_a_fit_killed_mid_epoch_resumes_bit_identical(tmp_path: Path, devices: int) -> None:
+    """40 batches of 8 a epoch (10 per rank at 4 ranks), 2 epochs, a save every 5 steps,
+    SIGKILL after step 13: the resume starts at step 11, mid-epoch, from step 10's save."""
+    common = ["--devices", str(devices), "--every", "5"]
+    fit(tmp_path, "--root", "full", "--losses", "full.txt", *common)
+    fit(tmp_path, "--root", "run", "--losses", "killed.txt", "--kill-at", "13", *common,
+        killed=True)
+    fit(tmp_path, "--root", "run", "--losses", "resumed.txt", *common)
+    full = losses(tmp_path / "full.txt")
+    resumed = losses(tmp_path / "resumed.txt")
+    total = 80 // devices
+    assert sorted(full) == list(range(1, total + 1))
+    assert sorted(resumed) == list(range(11, total + 1))
+    differ = [step for step in resumed if resumed[step] != full[step]]
+    assert differ == [], f"{len(differ)} of {len(resumed)} resumed losses differ: {differ}"
+    assert losses(tmp_path / "killed.txt") == {s: full[s] for s in range(1, 14)}
+
+
+def test_a_fit_saves_to_s3_by_changing_only_the_url_and_a_finetune_loads_the_model(
+        tmp_path: Path, s3_server: Any, s3_admin: Any) -> None:
+    from storage_servers import S3_KEY, S3_SECRET, new_bucket
+
+    url = f"s3://{new_bucket(s3_admin)}/lightning"
+    env = {"AWS_ENDPOINT_URL": s3_server.endpoint, "AWS_ACCESS_KEY_ID": S3_KEY,
+           "AWS_SECRET_ACCESS_KEY": S3_SECRET}
+    fit(tmp_path, "--root", url, "--epochs", "1", "--every", "20", env=env)
+    example = load_example()
+    model = example.TinyModel()
+    options = {"key": S3_KEY, "secret": S3_SECRET,
+               "client_kwargs": {"endpoint_url": s3_server.endpoint}}
+    spec = {"storage": {"url": url, "options": options},
+            "components": {"model": {"kind": "model"},
+                           "optimizer": {"kind": "optimizer", "required": False}},
+            "profiles": {"finetune": {"include": ["model"]}}}
+    with statereg.CheckpointManager(spec, model=model) as mgr:
+        assert [u.rsplit("/", 1)[1] for u in mgr.list()] == ["step_00000020", "step_00000040"]
+        result = mgr.load(profile="finetune")
+    assert result is not None and result.step == 40 and result.components == ("model",)
+    manifest = statereg.read_manifest(f"{url}/step_00000040", options)
+    assert {"model", "optimizer", "scheduler", "train_dataloader", "rng",
+            "fit_loop"} <= set(manifest.components)
+
+
+def load_example() -> Any:
+    spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Metrics(pl.loggers.Logger):
+    """Collects what is logged, in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+class LossAtStep(pl.Callback):
+    def __init__(self) -> None:
+        self.loss: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.loss[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+
+
+def in_process_fit(root: Path, callback: StateregCheckpoint, *more: pl.Callback,
+                   logger: Any = False, **trainer_args: Any) -> None:
+    example = load_example()
+    torch.manual_seed(0)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=logger,
+                         callbacks=[callback, *more], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         log_every_n_steps=1, **trainer_args)
+    trainer.fit(example.TinyModel())
+
+
+def test_monitor_keeps_the_best_and_each_save_reaches_the_logger(tmp_path: Path) -> None:
+    """monitor / save_top_k map to keep_best: with keep_last 1, the newest and the two best
+    saved steps by train_loss stay. Every save's statistics reach the trainer's logger."""
+    spec = {"storage": {"url": str(tmp_path / "ckpt")}, "save": {"keep_last": 1}}
+    metrics, seen = Metrics(), LossAtStep()
+    callback = StateregCheckpoint(spec, every_n_train_steps=4, monitor="train_loss",
+                                  save_top_k=2)
+    in_process_fit(tmp_path, callback, seen, logger=metrics)
+    saved = {step: seen.loss[step] for step in range(4, 41, 4)}
+    best = sorted(saved, key=saved.get)[:2]
+    left = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "ckpt").glob("step_*"))
+    assert left == sorted({40, *best})
+    for step in left:
+        manifest = statereg.read_manifest(str(tmp_path / "ckpt" / f"step_{step:08d}"))
+        assert manifest.extra["train_loss"] == saved[step]
+    stats = {step: m for step, m in metrics.logged if "statereg/stall_s" in m}
+    assert sorted(stats) == list(range(4, 41, 4))
+    assert all(m["statereg/bytes"] > 0 and m["statereg/committed_s"] >= m["statereg/stall_s"]
+               for m in stats.values())
+
+
+def test_a_loader_that_cannot_resume_is_refused_with_the_fix(tmp_path: Path) -> None:
+    class PlainLoader(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                         callbacks=[StateregCheckpoint({"storage": {"url": str(tmp_path)}})],
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(statereg.SpecError, match="StatefulDataLoader"):
+        trainer.fit(PlainLoader())
+    assert not list(tmp_path.glob("step_*"))
+
+
+def test_importing_statereg_and_its_integrations_imports_no_trainer() -> None:
+    code = ("import sys, statereg, statereg.integrations; "
+            "print([m for m in ('lightning', 'pytorch_lightning', 'transformers', "
+            "'accelerate', 'torchtitan') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]"
