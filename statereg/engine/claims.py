@@ -439,9 +439,14 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
                          pid=os.getpid(), thread=threading.current_thread().name,
                          started_at=now, renewed_at=now, lease_s=CLAIM_LEASE_S)
         claim = Claim(backend, name, number, info)
+        # Registered before the claim file exists: another thread of this process that
+        # lists it meanwhile must see a live save, not "an earlier save of this process
+        # that ended" (it would take the step over, and both would write it).
+        _ACTIVE[info.token] = claim
         try:
             backend.create_bytes(claim.path, info.to_json())
         except FileExistsError:
+            _ACTIVE.pop(info.token, None)
             kind = _hidden_entry(backend, name, number)
             if kind is None:
                 attempts += 1
@@ -455,6 +460,9 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
                     "statereg writes; delete them (and nothing they point to), then save again"
                 ) from None
             continue
+        except BaseException:
+            _ACTIVE.pop(info.token, None)
+            raise
         claim.exclusive = backend.check_exclusive_create() is None
         try:
             # Defence in depth, for a store that ignores conditional creates: a saver whose
@@ -481,6 +489,7 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
             if hidden and purpose != "gc":  # gc removes the whole directory itself
                 _remove_hidden(backend, name, hidden)
         except BaseException:
+            _ACTIVE.pop(info.token, None)
             claim._stop.set()
             with contextlib.suppress(Exception):
                 if claim.exclusive or claim._mine():  # never another saver's claim

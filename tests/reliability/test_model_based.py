@@ -863,7 +863,6 @@ SAVE = ("save", {"mode": "plain", "train": True, "level": 1})
 SAVE_INCREMENTAL = ("save", {"mode": "incremental", "train": True, "level": 1})
 
 
-@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 1")
 @pytest.mark.parametrize("how", ["truncate", "delete"])
 def test_regression_retention_keeps_intact_older_than_damaged_newer(tmp_path, quiet, how):
     # step 2's first tensor file (deps sorted: model/.metadata, model/__0_0.distcp, ...)
@@ -871,7 +870,6 @@ def test_regression_retention_keeps_intact_older_than_damaged_newer(tmp_path, qu
            ("damage_a_file", {"pick": 1, "file": 1, "how": how, "where": 0.5}), SAVE)
 
 
-@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 2")
 def test_regression_incremental_reuse_never_spreads_a_damaged_base(tmp_path, quiet):
     # Step 2 references step 1's base; a byte of it flips; step 3 references it again.
     replay(tmp_path, {"keep_last": 3}, SAVE_INCREMENTAL, SAVE_INCREMENTAL,
@@ -879,7 +877,6 @@ def test_regression_incremental_reuse_never_spreads_a_damaged_base(tmp_path, qui
            SAVE_INCREMENTAL)
 
 
-@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 3")
 def test_regression_gc_keeps_the_base_a_running_incremental_save_named(tmp_path, quiet):
     replay(tmp_path, {"keep_last": 1}, SAVE_INCREMENTAL,
            ("save_while_others_work", {"during": ["second writer saves", "gc --delete"],
@@ -887,40 +884,34 @@ def test_regression_gc_keeps_the_base_a_running_incremental_save_named(tmp_path,
            other={"keep_last": 1})
 
 
-@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 4")
 @pytest.mark.parametrize("how", ["link", "fifo"])
 def test_regression_gc_delete_removes_a_planted_claim_or_fails(tmp_path, quiet, how):
     replay(tmp_path, {"keep_last": 1}, ("plant_a_claim", {"how": how, "ahead": 0}),
            ("gc", {"delete": True, "via_cli": True}))
 
 
-@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 5")
 def test_regression_a_save_commits_only_a_manifest_readers_accept(tmp_path, quiet):
     replay(tmp_path, {"keep_last": 1}, ("save_with_bad_arguments",
                                         {"which": "huge tokens_seen"}), SAVE)
 
 
-@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 6")
 def test_regression_a_huge_int_in_extra_is_a_spec_error(tmp_path, quiet):
     replay(tmp_path, {"keep_last": 1}, ("save_with_bad_arguments",
                                         {"which": "huge int in extra"}))
 
 
-@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 6")
 def test_regression_load_verify_off_of_a_missing_file_is_a_statereg_error(tmp_path, quiet):
     replay(tmp_path, {"keep_last": 1}, SAVE,
            ("damage_a_file", {"pick": 0, "file": 1, "how": "delete", "where": 0.5}),
            ("load_by_step", {"pick": 0, "verify": "off"}))
 
 
-@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 6")
 def test_regression_export_hf_of_a_missing_file_is_a_statereg_error(tmp_path, quiet):
     replay(tmp_path, {"keep_last": 1}, SAVE,
            ("damage_a_file", {"pick": 0, "file": 1, "how": "delete", "where": 0.5}),
            ("cli_reads", {"pick": 0, "command": "export-hf"}))
 
 
-@pytest.mark.xfail(strict=True, raises=Violation, reason="issue 25 case 6")
 @pytest.mark.parametrize("how", ["link", "fifo"])
 @pytest.mark.parametrize("via_cli", [True, False])
 def test_regression_one_special_manifest_does_not_fail_gc_for_the_root(tmp_path, quiet, how,
@@ -930,10 +921,6 @@ def test_regression_one_special_manifest_does_not_fail_gc_for_the_root(tmp_path,
            ("gc", {"delete": False, "via_cli": via_cli}))
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="new (not in issue 25): a claim that another thread of this process "
-                   "has created but not yet registered reads as an ended save's, so a second "
-                   "saver takes it over and both write the step")
 def test_regression_a_claim_another_thread_is_still_taking_is_live(tmp_path, quiet):
     """What the model's two_writers_race_for_one_step found by timing, made deterministic:
     saver A stops right after creating its claim; saver B of the same step must be refused."""
