@@ -623,6 +623,17 @@ class StorageModel(RuleBasedStateMachine):
         self.damage[path] = (how, self.tick())
         self.settle(self.listed)
 
+    @rule(file=PICK, how=st.sampled_from(["flip", "truncate", "delete"]), where=WHERE,
+          mode=st.sampled_from(SAVE_MODES), saves=st.integers(1, 2))
+    def damage_the_newest_then_save(self, file: int, how: str, where: float, mode: str,
+                                    saves: int) -> None:
+        """Damage in the newest checkpoint (bit rot, a truncated copy) while training goes
+        on: the next saves' retention and incremental reuse meet it at once, which random
+        interleavings reach only rarely within CI's few sequences."""
+        self.damage_a_file(-1, file, how, where)
+        for _ in range(saves):
+            self.save(mode, True, 0)
+
     @rule(pick=PICK, which=st.sampled_from(["manifest.json", "manifest.sum"]),
           how=st.sampled_from(["link", "fifo", "garbage"]), to=PICK)
     def damage_a_manifest(self, pick: int, which: str, how: str, to: int) -> None:
