@@ -39,7 +39,9 @@ loader's position is restored). Tested with lightning 2.6.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from datetime import timedelta
 from os import PathLike
 from typing import Any
@@ -76,6 +78,35 @@ def _set_sampler_epoch(loader: Any, epoch: int) -> None:
             sampler.set_epoch(epoch)
 
 
+def _wrapper_of(loader: Any) -> Any:
+    """Lightning's `_DatasetSamplerWrapper` inside a DistributedSamplerWrapper, or None."""
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    wrapped = getattr(sampler, "dataset", None)
+    return wrapped if callable(getattr(wrapped, "reset", None)) else None
+
+
+@contextlib.contextmanager
+def _epoch_order_from(loader: Any, generator: torch.Generator | None,
+                      state: torch.Tensor | None) -> Iterator[None]:
+    """While a restored iterator is made, every listing of the wrapped sampler starts from
+    the epoch's saved generator state: making it lists the sampler twice (once for the
+    iterator, once to skip to the saved position), an uninterrupted run once."""
+    wrapper = _wrapper_of(loader)
+    if wrapper is None or generator is None or state is None:
+        yield
+        return
+
+    def reset() -> None:
+        generator.set_state(state)
+        type(wrapper).reset(wrapper)
+
+    wrapper.reset = reset
+    try:
+        yield
+    finally:
+        del wrapper.reset
+
+
 def _wrapped_generator(loader: Any) -> torch.Generator | None:
     """The generator of the sampler Lightning wrapped in a DistributedSamplerWrapper.
 
@@ -83,8 +114,7 @@ def _wrapped_generator(loader: Any) -> torch.Generator | None:
     which draws from a generator of its own) inside a DistributedSamplerWrapper, which draws
     the epoch's order from it when the epoch's iterator starts; the loader's state does not
     reach it there, so its generator is kept here (Lightning's private `_sampler`)."""
-    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    inner = getattr(_wrapper_of(loader), "_sampler", None)
     generator = getattr(inner, "generator", None)
     return generator if isinstance(generator, torch.Generator) else None
 
@@ -315,12 +345,14 @@ class StateregCheckpoint(pl.Callback):
         else:
             self._epoch.put_back(self._rng, generator)
         _set_sampler_epoch(loader, epoch)
-        if self.restored is not None and not self._new_epoch:
-            assert self._loader.restored is not None
-            loader.load_state_dict(self._loader.restored["loader"])
-        iter(fetcher)
-        if self.restored is not None and not self._new_epoch:
-            self._load_rng()
+        if self.restored is None or self._new_epoch:
+            iter(fetcher)
+            return
+        assert self._loader.restored is not None
+        loader.load_state_dict(self._loader.restored["loader"])
+        with _epoch_order_from(loader, generator, self._epoch.state_dict()["sampler_generator"]):
+            iter(fetcher)
+        self._load_rng()
 
     def _load_rng(self) -> None:
         assert self.mgr is not None and self.restored is not None
