@@ -203,3 +203,15 @@ def test_save_to_s3_by_storage_url_and_finetune_from_it(tmp_path: Path, s3_serve
 
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert digest(exported) == digest(trainer.model) and out is not None
+
+
+def test_importing_statereg_imports_no_trainer_framework() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, statereg, statereg.integrations; statereg.CheckpointManager; "
+            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning', "
+            "'pytorch_lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
