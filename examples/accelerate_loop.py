@@ -2,7 +2,7 @@
 
     python examples/accelerate_loop.py --ckpt-dir /tmp/acc-run         # trains 60 steps
     STATEREG_STORAGE__URL=s3://bucket/run python examples/accelerate_loop.py   # to S3
-    accelerate launch --cpu --num_processes 4 examples/accelerate_loop.py     # DDP on CPU
+    accelerate launch --cpu --num_processes 4 examples/accelerate_loop.py --ckpt-dir ...  # DDP
 
 Kill it and run the same command again: `load_state` restores the latest committed
 checkpoint (weights, AdamW state, the LR schedule, the dataloader's place inside its
@@ -20,7 +20,6 @@ import math
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from statereg.integrations.accelerate import load_state, save_state  # statereg
@@ -69,15 +68,17 @@ def main() -> None:
 
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
+    # The dataloader says where it is inside its epoch, and orders each epoch by seed + epoch.
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(
-        use_stateful_dataloader=True))  # the dataloader says where it is inside its epoch
+        use_stateful_dataloader=True, use_seedable_sampler=True))
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
                         bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)  # dropout 0.1 in every block
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / total)))
-    loader = StatefulDataLoader(MarkovTokens(), batch_size=16, shuffle=True, drop_last=True)
+    loader = torch.utils.data.DataLoader(MarkovTokens(), batch_size=16, shuffle=True,
+                                         drop_last=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
                                                               scheduler)
     counter = TokenCounter()

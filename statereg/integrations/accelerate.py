@@ -24,9 +24,11 @@ What is saved, as components (names follow Accelerate's file names):
 - `optimizer`, `optimizer_1`, ...: each prepared optimizer, keyed by parameter name;
 - `scheduler`, `scheduler_1`, ...: each prepared scheduler;
 - `dataloader`, `dataloader_1`, ...: each prepared dataloader's position inside its epoch
-  and its epoch counter. They must be stateful: `Accelerator(dataloader_config=
-  DataLoaderConfiguration(use_stateful_dataloader=True))`; `manager(..., dataloaders=False)`
-  leaves them out, and you skip batches yourself (`accelerator.skip_first_batches`);
+  and its epoch counter. They must be stateful, in an order a resume can reproduce:
+  `Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True,
+  use_seedable_sampler=True))` with a torch DataLoader (or, on one process, a torchdata
+  StatefulDataLoader); `manager(..., dataloaders=False)` leaves them out, and you skip
+  batches yourself (`accelerator.skip_first_batches`);
 - `custom_0`, `custom_1`, ...: the objects given to `register_for_checkpointing`;
 - `scaler`: the GradScaler (fp16), `accelerator`: its step counter (gradient accumulation);
 - `rng`: every rank's random generators.
@@ -52,6 +54,7 @@ import os
 import weakref
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 
 from statereg.declaration import load_spec
@@ -130,6 +133,35 @@ class _AcceleratorStep:
         self.accelerator.step = int(state["step"])
 
 
+def _torchdata(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torchdata.stateful_dataloader")
+
+
+def _check_order_restorable(name: str, loader: Any) -> None:
+    """Refuse a loader whose shuffle order a resume cannot reproduce. The StatefulDataLoader
+    under a DataLoaderShard saves its sampler's position and generator when its batch sampler
+    and sampler are torchdata's own (one process: accelerate then shards nothing); otherwise
+    it replays the sampler, which gives the saved epoch's order only if that order comes from
+    seed + epoch (accelerate's SeedableRandomSampler, a DistributedSampler: `set_epoch`),
+    the epoch being the counter saved with the position."""
+    batches = getattr(loader, "batch_sampler", None)
+    if batches is None:
+        return
+    inner = getattr(batches, "batch_sampler", batches)  # BatchSamplerShard wraps one
+    sampler = getattr(inner, "sampler", None)
+    if sampler is None or callable(getattr(sampler, "set_epoch", None)) \
+            or isinstance(sampler, torch.utils.data.SequentialSampler):
+        return
+    if batches is inner and _torchdata(batches) and _torchdata(sampler):
+        return
+    raise SpecError(
+        f"{name}: its {type(sampler).__name__} draws each epoch's order from a generator "
+        f"that {type(batches).__name__} does not save, so a resume would continue in "
+        "another order; give accelerator.prepare() a torch.utils.data.DataLoader and create "
+        "the Accelerator with DataLoaderConfiguration(use_stateful_dataloader=True, "
+        "use_seedable_sampler=True): each epoch's order then comes from seed + epoch")
+
+
 def _parameters(module: Any) -> set[int]:
     return {id(p) for p in module.parameters()}
 
@@ -168,6 +200,7 @@ def live_objects(accelerator: Accelerator, *, dataloaders: bool = True,
                     "use_stateful_dataloader=True) (torchdata), or build the manager with "
                     "manager(accelerator, spec, dataloaders=False) and skip the trained "
                     "batches yourself with accelerator.skip_first_batches")
+            _check_order_restorable(name, loader)
             comps[name] = {"kind": "dataloader"}
             objects[name] = _LoaderPosition(name, loader)
     for i, obj in enumerate(accelerator._custom_objects):

@@ -191,16 +191,22 @@ def train_accelerate(rank: int, config: dict[str, Any]) -> None:
     _deterministic()
     records = Records(config["records"], rank)
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
-        use_stateful_dataloader=True))
+        use_stateful_dataloader=True, use_seedable_sampler=True))
     random.seed(0)
     np.random.seed(0)
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     total = config["max_steps"]
+    # Accelerate steps a scheduler once per process per step: the schedule spans them all.
+    span = total * config.get("world_size", 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 3) * (1 - s / (total + 1)))
-    loader = StatefulDataLoader(MarkovTokens(config.get("samples", 48)), batch_size=4,
-                                shuffle=True, drop_last=True)
+        optimizer, lambda s: min(1.0, (s + 1) / 3) * (1 - s / (span + 1)))
+    # torchdata's loader keeps its own sampler's state (one process); a torch DataLoader gets
+    # accelerate's seedable sampler, whose order comes from seed + epoch.
+    make = StatefulDataLoader if config.get("loader") == "torchdata" else \
+        torch.utils.data.DataLoader
+    loader = make(MarkovTokens(config.get("samples", 48)), batch_size=4, shuffle=True,
+                  drop_last=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
                                                               scheduler)
     counter = Counter()
