@@ -215,3 +215,26 @@ def test_importing_statereg_imports_no_trainer_framework() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_resume_from_a_statereg_url_continues_exactly_in_process(tmp_path: Path) -> None:
+    first = in_process_trainer(tmp_path)
+    first.train()
+    step4 = next(u for u in first.statereg.list() if u.endswith("step_00000004"))
+    second = in_process_trainer(tmp_path / "again")  # saves under again/out
+    second.train(resume_from_checkpoint=step4)
+    def losses(trainer: StateregTrainer) -> dict[int, float]:
+        return {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+
+    # The TrainerState came back with the log of steps 1-4; steps 5 and 6 ran again.
+    assert losses(second) == losses(first) and sorted(losses(second)) == [1, 2, 3, 4, 5, 6]
+    assert digest(second.model) == digest(first.model)
+
+
+def test_a_declared_time_cadence_adds_saves(tmp_path: Path) -> None:
+    trainer = in_process_trainer(tmp_path, {"save": {"every_seconds": 1e-9}},
+                                 save_strategy="no")
+    assert trainer.statereg_spec.save.every_steps is None
+    trainer.train()
+    assert [u.rsplit("_", 1)[-1] for u in trainer.statereg.list()] == [
+        f"{s:08d}" for s in range(1, 7)]
