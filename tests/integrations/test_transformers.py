@@ -238,3 +238,15 @@ def test_a_declared_time_cadence_adds_saves(tmp_path: Path) -> None:
     trainer.train()
     assert [u.rsplit("_", 1)[-1] for u in trainer.statereg.list()] == [
         f"{s:08d}" for s in range(1, 7)]
+
+
+def test_with_statereg_derives_a_trainer_subclass_once(tmp_path: Path) -> None:
+    from transformers import Seq2SeqTrainer, Trainer
+
+    from statereg.integrations.transformers import with_statereg
+
+    derived = with_statereg(Seq2SeqTrainer)
+    assert issubclass(derived, Seq2SeqTrainer) and derived.__name__ == "StateregSeq2SeqTrainer"
+    assert with_statereg(Seq2SeqTrainer) is derived and with_statereg(Trainer) is StateregTrainer
+    with pytest.raises(statereg.SpecError, match=r"pass a transformers\.Trainer subclass"):
+        with_statereg(dict)  # type: ignore[arg-type]
