@@ -22,8 +22,10 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 # torch._dynamo: the first optimizer of a process imports it (half a second of CPU).
 # crash_driver (tests/reliability): the module the reliability children run.
+# integrations.trainees (tests/integrations): the Trainer and Accelerate runs; it imports
+# transformers and accelerate, about 2.5 s of CPU once here instead of in every rank.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "statereg.manager", "s3fs",
-           "crash_driver"]
+           "crash_driver", "integrations.trainees"]
 
 _STARTED = False
 # A forkserver child's exit status arrives as 8 bytes on a pipe, and Popen.poll is not
