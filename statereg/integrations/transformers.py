@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import transformers
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from statereg.declaration import load_spec
@@ -78,6 +79,7 @@ from statereg.integrations._common import (
 from statereg.interop import Export, export_hf
 from statereg.manager import CheckpointManager
 from statereg.schemas.spec import RegistrySpec
+from statereg.state.ddp import DDPBucketLayout
 from statereg.state.rng import RNGAdapter
 
 logger = logging.getLogger("statereg")
@@ -158,6 +160,10 @@ def spec_from_training_args(
             if not args.save_only_model or n in MODEL_ONLY}
     if scaler and not args.save_only_model:
         ours["scaler"] = dict(SCALER)
+    if args.world_size > 1 and not args.save_only_model:
+        # The Trainer wraps the model in DDP: its gradient bucket layout is state for an
+        # exact resume at 3+ ranks (docs/exact-resume.md#under-ddp); attached once wrapped.
+        ours["ddp"] = {"kind": "custom", "required": False}
     merge_components(data, ours, label, "a StateregTrainer")
     save = section(data, "save", label)
     if (_value(args.save_strategy) == "steps" and args.save_steps >= 1
@@ -319,6 +325,9 @@ class StateregMixin:
         trainer: Any = self
         live = {"model": trainer.model, "optimizer": _unwrapped_optimizer(trainer.optimizer),
                 "scheduler": trainer.lr_scheduler}
+        wrapped = getattr(trainer, "model_wrapped", None)
+        if isinstance(wrapped, DistributedDataParallel) and "ddp" not in self._statereg_attached:
+            live["ddp"] = DDPBucketLayout(wrapped)
         mgr = self.statereg
         changed = {name: obj for name, obj in live.items()
                    if obj is not None and name in self.statereg_spec.components

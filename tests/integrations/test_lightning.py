@@ -46,23 +46,46 @@ def losses(path: Path) -> dict[int, str]:
     return {int(step): value for step, value in (line.split() for line in path.open())}
 
 
-@pytest.mark.parametrize("devices", [1, 4], ids=["1-process", "ddp-4-ranks"])
-def test_a_fit_killed_mid_epoch_resumes_bit_identical(tmp_path: Path, devices: int) -> None:
-    """40 batches of 8 a epoch (10 per rank at 4 ranks), 2 epochs, a save every 5 steps,
-    SIGKILL after step 13: the resume starts at step 11, mid-epoch, from step 10's save."""
-    common = ["--devices", str(devices), "--every", "5"]
-    fit(tmp_path, "--root", "full", "--losses", "full.txt", *common)
-    fit(tmp_path, "--root", "run", "--losses", "killed.txt", "--kill-at", "13", *common,
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Each step's loss of the uninterrupted fit, per process count (run once each)."""
+    runs: dict[int, dict[int, str]] = {}
+
+    def losses_of(devices: int) -> dict[int, str]:
+        if devices not in runs:
+            where = tmp_path_factory.mktemp(f"uninterrupted-{devices}")
+            fit(where, "--root", "full", "--losses", "full.txt", "--devices", str(devices))
+            runs[devices] = losses(where / "full.txt")
+            assert sorted(runs[devices]) == list(range(1, 80 // devices + 1))
+        return runs[devices]
+
+    return losses_of
+
+
+# (processes, save every N steps, SIGKILL after step K): 40 batches of 8 an epoch (10 a
+# rank at 4 ranks), 2 epochs; the resume starts after the last save before K.
+CASES = {
+    "1-process-mid-epoch": (1, 5, 13),        # resumes at 11, in epoch 0
+    "1-process-epoch-end": (1, 20, 43),       # resumes at 41, saved after epoch 0's last batch
+    "ddp-4-ranks-mid-epoch": (4, 3, 13),      # resumes at 13, in epoch 1
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_fit_killed_mid_run_resumes_bit_identical(tmp_path: Path, uninterrupted: Any,
+                                                    case: str) -> None:
+    devices, every, kill = CASES[case]
+    common = ["--devices", str(devices), "--every", str(every)]
+    full = uninterrupted(devices)
+    fit(tmp_path, "--root", "run", "--losses", "killed.txt", "--kill-at", str(kill), *common,
         killed=True)
     fit(tmp_path, "--root", "run", "--losses", "resumed.txt", *common)
-    full = losses(tmp_path / "full.txt")
     resumed = losses(tmp_path / "resumed.txt")
-    total = 80 // devices
-    assert sorted(full) == list(range(1, total + 1))
-    assert sorted(resumed) == list(range(11, total + 1))
+    first = kill // every * every + 1
+    assert sorted(resumed) == list(range(first, 80 // devices + 1))
     differ = [step for step in resumed if resumed[step] != full[step]]
     assert differ == [], f"{len(differ)} of {len(resumed)} resumed losses differ: {differ}"
-    assert losses(tmp_path / "killed.txt") == {s: full[s] for s in range(1, 14)}
+    assert losses(tmp_path / "killed.txt") == {s: full[s] for s in range(1, kill + 1)}
 
 
 def test_a_fit_saves_to_s3_by_changing_only_the_url_and_a_finetune_loads_the_model(
