@@ -128,6 +128,7 @@ class StorageModel(RuleBasedStateMachine):
         self.damage: dict[str, tuple[str, int]] = {}  # path -> (how, clock)
         self.bad_manifest: dict[int, int] = {}  # step -> clock
         self.claim_damaged: set[int] = set()
+        self.in_flight: str | None = None  # the directory of a save running meanwhile
         self.copied: dict[int, Ckpt] = {}
         self.listed: list[int] = []
         self.next_step = 1
@@ -520,6 +521,7 @@ class StorageModel(RuleBasedStateMachine):
             except BaseException as exc:  # reported by the main thread
                 outcome["error"] = exc
 
+        self.in_flight = checkpoint_name(step)
         with paused_at_first_file(mgr._backend, checkpoint_name(step)) as (there, go):
             thread = threading.Thread(target=save, name=f"model-save-{step}")
             thread.start()
@@ -537,6 +539,7 @@ class StorageModel(RuleBasedStateMachine):
             finally:
                 go.set()
                 thread.join(60)
+                self.in_flight = None
         error = outcome.get("error")
         if isinstance(error, BaseException) and not isinstance(error, statereg.StateregError):
             raise error
@@ -665,8 +668,15 @@ class StorageModel(RuleBasedStateMachine):
         self.settle(self.listed)
 
     def unclaimed(self) -> list[Any]:
-        """The root's fingerprint without claims (a live save renews its claim any time)."""
-        return [entry for entry in self.root.fingerprint() if "/.claim-" not in entry[0]]
+        """The root's fingerprint without claims (a live save renews its claim any time)
+        and without the directory of a save running meanwhile (its writer threads may)."""
+        busy = self.in_flight
+
+        def running(path: str) -> bool:  # under the running save's directory
+            return busy is not None and busy in f"/{path}/".split("/")
+
+        return [entry for entry in self.root.fingerprint() if "/.claim-" not in entry[0]
+                and not running(entry[0])]
 
     def collect(self, delete: bool, via_cli: bool) -> None:
         before = self.unclaimed()
