@@ -104,7 +104,8 @@ class CheckpointManager:
         self._objects = dict(objects)
         self._adapters = build_adapters(self.spec, self._objects)
         _lint(self.spec, self._adapters, self.world.rank)
-        self._backend = open_backend(self.spec.storage.url, self.spec.storage.options)
+        self._backend = open_backend(self.spec.storage.url, self.spec.storage.options,
+                                     self.spec.storage.read_cache)
         self.plan: RankPlan = compile_plan(self.spec, self.world.layout, self._backend.url)
         self._pending: dict[str, Any] = {}
         # Loaded components whose tensors load in place, waiting for attach(): where from.
@@ -207,7 +208,8 @@ class CheckpointManager:
 
     def _backend_for(self, root: str) -> StorageBackend:
         same_scheme = url_scheme(root) == url_scheme(self._backend.url)
-        candidate = open_backend(root, self.spec.storage.options if same_scheme else None)
+        candidate = open_backend(root, self.spec.storage.options if same_scheme else None,
+                                 self.spec.storage.read_cache)
         if (type(candidate), candidate.root) == (type(self._backend), self._backend.root):
             return self._backend
         return candidate
