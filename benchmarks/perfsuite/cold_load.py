@@ -116,7 +116,7 @@ def run(params: float, reps: int, work: Path, drop_all: bool = True) -> dict[str
         st = None
     data_files = sorted(root.rglob("*.distcp"))
     buffers = {path: bytearray(path.stat().st_size) for path in data_files}
-    cache = PageCache(allowed=drop_all, roots=[work])
+    cache = PageCache(roots=[work], evict_only=not drop_all)
 
     def check(what: str) -> None:
         for key, tensor in live.items():

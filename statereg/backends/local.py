@@ -22,6 +22,7 @@ import mmap
 import os
 import shutil
 import stat
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +56,9 @@ _DIRECT_ALIGN = 4096
 ReadCache = Literal["auto", "keep", "bypass"]
 READ_CACHE_MODES: tuple[ReadCache, ...] = ("auto", "keep", "bypass")
 _FITS_SHARE = 0.5
+# A cold file read through the page cache is asked for in pieces of this size ahead of the
+# reader (`_ReadAhead`).
+_READ_AHEAD_STEP = 8 * 1024 * 1024
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
 
 
@@ -285,6 +289,38 @@ def _mostly_whole_chunks(ranges: Sequence[tuple[int, int]], size: int | None) ->
     total = sum(_DIRECT_CHUNK if size is None else min(_DIRECT_CHUNK, size - i * _DIRECT_CHUNK)
                 for i in touched)
     return 2 * sum(end - start for start, end in ranges) >= total
+
+
+class _ReadAhead:
+    """Asks the kernel, from a thread, to read a cold file's runs into the page cache ahead
+    of the reader (posix_fadvise(WILLNEED) in `_READ_AHEAD_STEP` pieces): the disk's queue
+    stays full, as O_DIRECT's reads in flight keep it, where the page cache's own readahead
+    asks for one window at a time (measured in docs/performance.md, "The page cache"). Only
+    for runs the policy keeps cached, so everything it reads is wanted and fits."""
+
+    def __init__(self, fd: int, ranges: Sequence[tuple[int, int]]) -> None:
+        self._fd = fd
+        self._ranges = ranges
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="statereg-readahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for start, end in self._ranges:
+            for at in range(start, end, _READ_AHEAD_STEP):
+                if self._stopped.is_set():
+                    return
+                try:
+                    os.posix_fadvise(self._fd, at, min(_READ_AHEAD_STEP, end - at),
+                                     os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return  # no readahead here: the reads fetch what they need
+
+    def stop(self) -> None:
+        """Stop asking, and wait until no call is in flight (the descriptor closes next)."""
+        self._stopped.set()
+        self._thread.join()
 
 
 class _DirectReads(PositionedReads):
@@ -630,19 +666,25 @@ class LocalBackend(StorageBackend):
         page cache already (`_cached`: O_DIRECT would read the disk again). A subclass that
         routes reads elsewhere (its own `open_read`) keeps its route.
         """
-        wanted = sum(end - start for start, end in ranges)
         if (type(self).open_read is not LocalBackend.open_read or not ranges
-                or self._keeps(self._load_bytes if self._load_bytes is not None else wanted)
-                or not _mostly_whole_chunks(ranges, size)):
+                or _in_memory(self.root) or not _mostly_whole_chunks(ranges, size)):
             with self.open_read(path, size) as stream:
                 yield stream
             return
+        wanted = sum(end - start for start, end in ranges)
+        keep = self._keeps(self._load_bytes if self._load_bytes is not None else wanted)
         fd = self._open_contained("open", path)
-        if _cached(fd, sorted(ranges)) or not _set_direct(fd, True):
+        cached = _cached(fd, sorted(ranges))
+        if keep or cached or not _set_direct(fd, True):
             with self._storage_op("open", path):
                 stream: Any = open(fd, "rb")  # noqa: SIM115 - closed below
-            with stream:
-                yield stream
+            ahead = _ReadAhead(fd, sorted(ranges)) if keep and not cached else None
+            try:
+                with stream:
+                    yield stream
+            finally:
+                if ahead is not None:
+                    ahead.stop()
             return
         with _DirectReads(self, path, fd, ranges) as stream:
             yield stream
