@@ -124,7 +124,8 @@ class CheckpointManager:
         self._objects = dict(objects)
         self._adapters = build_adapters(self.spec, self._objects)
         _lint(self.spec, self._adapters, self.world.rank)
-        self._backend = open_backend(self.spec.storage.url, self.spec.storage.options)
+        self._backend = open_backend(self.spec.storage.url, self.spec.storage.options,
+                                     self.spec.storage.read_cache)
         self.plan: RankPlan = compile_plan(self.spec, self.world.layout, self._backend.url)
         self._pending: dict[str, Any] = {}
         # Loaded components whose tensors load in place, waiting for attach(): where from.
@@ -232,9 +233,10 @@ class CheckpointManager:
         (load(storage_options=...)), else with none (the environment's defaults). The run's
         storage.options are never sent to another root: they may be another bucket's, another
         endpoint's, or credentials meant for this store only."""
+        read_cache = self.spec.storage.read_cache
         if options is not None:
-            return open_backend(root, options)
-        candidate = open_backend(root, {})
+            return open_backend(root, options, read_cache)
+        candidate = open_backend(root, {}, read_cache)
         if (type(candidate), candidate.root) == (type(self._backend), self._backend.root):
             return self._backend
         return candidate

@@ -507,6 +507,11 @@ class StorageBackend:
         with self._storage_op("read", path):
             return self.fs.cat_file(self.full_path(path), start=start, end=end)
 
+    def for_reading(self, nbytes: int) -> StorageBackend:
+        """The backend one load that reads `nbytes` in all reads through: itself, except
+        where that total decides how to read (local disk: through the page cache or not)."""
+        return self
+
     @contextmanager
     def open_ranges(self, path: str, ranges: Sequence[tuple[int, int]],
                     size: int | None = None) -> Iterator[IO[bytes]]:

@@ -663,16 +663,20 @@ class BackendReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path,
                                 []).append(item)
+        # What this load reads in all decides whether a local disk keeps it in the page cache
+        # (storage.read_cache), not each file's share of it.
+        backend = self._backend.for_reading(
+            sum(self.storage_data[item.storage_index].length for item in plan.items))
         landing = DeviceLanding()  # tensors on a GPU arrive through page-locked slices
         try:
             if self.thread_count <= 1 or len(per_file) <= 1:
                 for relative_path, items in per_file.items():
-                    self._read_file(relative_path, items, planner, landing)
+                    self._read_file(backend, relative_path, items, planner, landing)
             else:
                 with ThreadPoolExecutor(min(self.thread_count, len(per_file)),
                                         thread_name_prefix="statereg-read") as pool:
-                    pending = [pool.submit(self._read_file, relative_path, items, planner,
-                                           landing)
+                    pending = [pool.submit(self._read_file, backend, relative_path, items,
+                                           planner, landing)
                                for relative_path, items in per_file.items()]
                     for job in pending:
                         job.result()
@@ -682,8 +686,8 @@ class BackendReader(FileSystemReader):
         done.set_result(None)
         return done
 
-    def _read_file(self, relative_path: str, items: list[ReadItem], planner: LoadPlanner,
-                   landing: DeviceLanding) -> None:
+    def _read_file(self, backend: StorageBackend, relative_path: str, items: list[ReadItem],
+                   planner: LoadPlanner, landing: DeviceLanding) -> None:
         """DCP's per-file read, except only the items' bytes are fetched (one ranged read per
         run of adjacent items on an object store), tensors are read straight into their
         destination, and every item is checked against its digest as it is read."""
@@ -696,7 +700,7 @@ class BackendReader(FileSystemReader):
             )
         ordered = sorted(items, key=lambda r: self.storage_data[r.storage_index].offset)
         ranges = _contiguous_runs([self.storage_data[r.storage_index] for r in ordered])
-        with self._backend.open_ranges(path, ranges, self.fs.sizes.get(path)) as stream:
+        with backend.open_ranges(path, ranges, self.fs.sizes.get(path)) as stream:
             for req in ordered:
                 try:
                     self._read_item(stream, req, planner, landing)

@@ -13,6 +13,8 @@ but a regular file, so a step directory linked elsewhere, a `.distcp` linked to 
 from __future__ import annotations
 
 import contextlib
+import copy
+import ctypes
 import errno
 import fcntl
 import functools
@@ -20,11 +22,12 @@ import mmap
 import os
 import shutil
 import stat
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from statereg.backends.base import EXCLUSIVE_WRITE, PositionedReads, StorageBackend, StoredFile
 from statereg.backends.checksum import HashingWriter, WrittenFile
@@ -47,6 +50,16 @@ _WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIRECT_CHUNK = 4 * 1024 * 1024
 _DIRECT_AHEAD = 8
 _DIRECT_ALIGN = 4096
+# `storage.read_cache` (docs/performance.md, "The page cache"): whether what a load reads and
+# a save writes stays in the page cache. auto keeps it when it fits in this share of the
+# memory the kernel reports available.
+ReadCache = Literal["auto", "keep", "bypass"]
+READ_CACHE_MODES: tuple[ReadCache, ...] = ("auto", "keep", "bypass")
+_FITS_SHARE = 0.5
+# A cold file read through the page cache is asked for in pieces of this size ahead of the
+# reader (`_ReadAhead`).
+_READ_AHEAD_STEP = 8 * 1024 * 1024
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
 
 
 def file_kind(mode: int) -> str:
@@ -91,17 +104,74 @@ def _makedirs_durable(path: str) -> None:
         _fsync_dir(os.path.dirname(created))
 
 
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (memory the kernel can hand out without
+    swapping, reclaimable page cache included); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as info:
+            for line in info:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def keeps_pages(policy: ReadCache, nbytes: int, available: int | None) -> bool:
+    """Whether `nbytes` of checkpoint read or written under `policy` should stay in the page
+    cache: always for keep, never for bypass; for auto, when they take less than half of
+    `available` (memory the kernel can hand out), or when that is unknown (no /proc/meminfo:
+    not Linux, where O_DIRECT is not offered either)."""
+    if policy == "keep":
+        return True
+    if policy == "bypass":
+        return False
+    return available is None or nbytes < _FITS_SHARE * available
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's sync_file_range (start writeback of a range, keep its pages), or None."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return function
+
+
+def _start_writeback(fd: int, offset: int, length: int, keep: bool) -> bool:
+    """Ask the kernel to start writing [offset, offset+length) of `fd` to disk now, without
+    waiting: with `keep`, the pages stay cached (sync_file_range); without, the cache may drop
+    them once written (posix_fadvise(DONTNEED), which drops the clean ones at once). False
+    where the kernel or filesystem cannot."""
+    if keep:
+        function = _sync_file_range()
+        return function is not None and function(fd, offset, length,
+                                                 _SYNC_FILE_RANGE_WRITE) == 0
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        return False
+    return True
+
+
 class _WritebackFile:
     """A file whose written bytes start going to disk every 64 MiB, not at fsync.
 
     The page cache would otherwise hold a whole checkpoint file dirty until fsync, which then
     waits for the disk to write all of it: a save took copy time plus disk time. Started
-    early (`posix_fadvise(DONTNEED)` starts writeback without waiting for it), the disk works
-    while the rest is still being copied, and the fsync finds little left to do.
+    early, the disk works while the rest is still being copied, and the fsync finds little
+    left to do. `keep(nbytes)` says whether the pages of a file of that size stay in the page
+    cache (storage.read_cache): then writeback is started with sync_file_range, else with
+    posix_fadvise(DONTNEED), which also lets the cache drop them (`drop_pages` after the
+    fsync drops the rest).
     """
 
-    def __init__(self, file: IO[bytes]) -> None:
+    def __init__(self, file: IO[bytes], keep: Callable[[int], bool]) -> None:
         self._file = file
+        self._keep = keep
         self._written = self._started = 0
         self._advise = True
 
@@ -110,13 +180,19 @@ class _WritebackFile:
         self._written += count
         if self._advise and self._written - self._started >= _WRITEBACK_EVERY:
             self._file.flush()
-            try:
-                os.posix_fadvise(self._file.fileno(), self._started,
-                                 self._written - self._started, os.POSIX_FADV_DONTNEED)
-            except OSError:  # a filesystem without it: the final fsync does all the work
-                self._advise = False
+            # A filesystem without either: the final fsync does all the work.
+            self._advise = _start_writeback(self._file.fileno(), self._started,
+                                            self._written - self._started,
+                                            self._keep(self._written))
             self._started = self._written
         return count
+
+    def drop_pages(self) -> None:
+        """After the fsync: let the cache drop the file's pages (all clean now) unless the
+        policy keeps a file of this size."""
+        if not self._keep(self._written):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def flush(self) -> None:
         self._file.flush()
@@ -157,20 +233,49 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def _cached(fd: int, ranges: Sequence[tuple[int, int]]) -> bool:
-    """Whether the runs' first, middle and last pages are in the page cache (a file written
-    or read a moment ago): a buffered read of them is a memory copy, which O_DIRECT would
-    turn back into a disk read. Asks with RWF_NOWAIT, which fails rather than wait for the
-    disk; False where the kernel cannot answer."""
-    if not ranges or not hasattr(os, "RWF_NOWAIT"):
-        return False
-    first, last = ranges[0][0], ranges[-1][1] - 1
-    probe = bytearray(1)
+@functools.cache
+def _libc() -> Any:
+    """libc with mmap, munmap and mincore typed for ctypes, or None where it has none."""
     try:
-        return all(os.preadv(fd, [probe], at, os.RWF_NOWAIT) == 1
-                   for at in (first, (first + last) // 2, last))
-    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: no answer
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_int64)
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _cached(fd: int, ranges: Sequence[tuple[int, int]]) -> bool:
+    """Whether every page of the runs is in the page cache (a file written or read a moment
+    ago): a buffered read of them is a memory copy, which O_DIRECT would turn back into a
+    disk read, and leaves the cache as it was. Asks mincore(2) of a mapping of the file,
+    which reads nothing and faults nothing in (an RWF_NOWAIT read probe starts readahead of
+    what it finds missing); False where the kernel cannot answer."""
+    libc = _libc()
+    if not ranges or libc is None:
         return False
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return False
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        return False
+    try:
+        for start, end in ranges:
+            first = start // mmap.PAGESIZE
+            pages = -(-min(end, size) // mmap.PAGESIZE) - first
+            if pages <= 0:
+                continue
+            vector = ctypes.create_string_buffer(pages)
+            if libc.mincore(address + first * mmap.PAGESIZE, pages * mmap.PAGESIZE,
+                            vector) != 0 or not min(vector.raw) & 1:
+                return False
+    finally:
+        libc.munmap(address, size)
+    return True
 
 
 def _mostly_whole_chunks(ranges: Sequence[tuple[int, int]], size: int | None) -> bool:
@@ -184,6 +289,38 @@ def _mostly_whole_chunks(ranges: Sequence[tuple[int, int]], size: int | None) ->
     total = sum(_DIRECT_CHUNK if size is None else min(_DIRECT_CHUNK, size - i * _DIRECT_CHUNK)
                 for i in touched)
     return 2 * sum(end - start for start, end in ranges) >= total
+
+
+class _ReadAhead:
+    """Asks the kernel, from a thread, to read a cold file's runs into the page cache ahead
+    of the reader (posix_fadvise(WILLNEED) in `_READ_AHEAD_STEP` pieces): the disk's queue
+    stays full, as O_DIRECT's reads in flight keep it, where the page cache's own readahead
+    asks for one window at a time (measured in docs/performance.md, "The page cache"). Only
+    for runs the policy keeps cached, so everything it reads is wanted and fits."""
+
+    def __init__(self, fd: int, ranges: Sequence[tuple[int, int]]) -> None:
+        self._fd = fd
+        self._ranges = ranges
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="statereg-readahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for start, end in self._ranges:
+            for at in range(start, end, _READ_AHEAD_STEP):
+                if self._stopped.is_set():
+                    return
+                try:
+                    os.posix_fadvise(self._fd, at, min(_READ_AHEAD_STEP, end - at),
+                                     os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return  # no readahead here: the reads fetch what they need
+
+    def stop(self) -> None:
+        """Stop asking, and wait until no call is in flight (the descriptor closes next)."""
+        self._stopped.set()
+        self._thread.join()
 
 
 class _DirectReads(PositionedReads):
@@ -304,6 +441,12 @@ class LocalBackend(StorageBackend):
     atomic_create = True  # link(2) fails if the name exists, on every POSIX filesystem
     probe_exclusive = False
     denied_hint = "This user may not write there: check the folder's owner and permissions"
+    # storage.read_cache (`open_backend` sets it): whether the page cache keeps what loads
+    # read and saves write (`keeps_pages`).
+    read_cache: ReadCache = "auto"
+    # The bytes the load reading through this backend reads in all (`for_reading`), which
+    # auto weighs against available memory; None: each file's own size.
+    _load_bytes: int | None = None
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         path = url[len("file://"):] if url.startswith("file://") else url
@@ -380,6 +523,24 @@ class LocalBackend(StorageBackend):
         if kind not in ("file", "directory"):
             raise self._not_plain(relative, kind)
 
+    # -- the page cache -----------------------------------------------------------------
+
+    def _keeps(self, nbytes: int) -> bool:
+        """Whether `nbytes` of this root read or written stay in the page cache
+        (`keeps_pages` under `read_cache`); always in memory (tmpfs: the cache is the store)."""
+        if _in_memory(self.root):
+            return True
+        available = None if self.read_cache != "auto" else available_memory()
+        return keeps_pages(self.read_cache, nbytes, available)
+
+    def for_reading(self, nbytes: int) -> LocalBackend:
+        """This backend for one load that reads `nbytes` in all: under `read_cache: auto` its
+        files are read through the page cache when that total fits (`keeps_pages`), so a load
+        of a large checkpoint reads it all with O_DIRECT even file by file."""
+        reading = copy.copy(self)
+        reading._load_bytes = nbytes
+        return reading
+
     # -- writing ------------------------------------------------------------------------
 
     def open_write(self, path: str, on_done: Callable[[WrittenFile], None] | None = None,
@@ -391,7 +552,7 @@ class LocalBackend(StorageBackend):
             sink: Any = open(self._open_for_write(path, full), "wb",  # noqa: SIM115 - closed by the writer
                              buffering=_BUFFER)
             if hasattr(os, "posix_fadvise"):
-                sink = _WritebackFile(sink)
+                sink = _WritebackFile(sink, self._keeps)
 
         def durable(stream: IO[bytes]) -> None:
             with self._storage_op("write", path):
@@ -402,6 +563,8 @@ class LocalBackend(StorageBackend):
                     if os.fstat(fd).st_size > end:  # written over a longer file (shm.py)
                         os.ftruncate(fd, end)
                     os.fsync(fd)
+                    if isinstance(stream, _WritebackFile):
+                        stream.drop_pages()
                 except BaseException:
                     # A failed write (a full disk or tmpfs) must not keep its descriptor:
                     # an open file keeps its pages after it is deleted.
@@ -490,28 +653,38 @@ class LocalBackend(StorageBackend):
     @contextmanager
     def open_ranges(self, path: str, ranges: Sequence[tuple[int, int]],
                     size: int | None = None) -> Iterator[IO[bytes]]:
-        """The runs of a data file, read with O_DIRECT where the filesystem allows it.
+        """The runs of a data file, through the page cache or around it (`read_cache`).
 
-        A cold load is bound by the disk: O_DIRECT reads of large aligned chunks, several in
-        flight (`_DirectReads`), keep its queue full without the page cache's readahead
-        deciding how much to ask for, and leave no copy of the checkpoint in the cache. Where
-        O_DIRECT is refused (tmpfs, some network filesystems) the file is read buffered, as
-        `open_read` does; so is a root in memory (tmpfs, ramfs: shm://), where the page cache
-        is the storage and a read straight into the tensor is the one copy there is, and so
-        is a file whose runs are in the page cache already (`_cached`). A
-        subclass that routes reads elsewhere (its own `open_read`) keeps its route.
+        Where the policy keeps the checkpoint's pages (`_keeps` of the load's bytes, or of
+        the file's without `for_reading`), the file is read buffered straight into the
+        tensors, as `open_read` does, and stays cached: a later load of it is a memory copy.
+        Otherwise a cold file is read with O_DIRECT: large aligned chunks, several in flight
+        (`_DirectReads`), keep the disk's queue full and leave no copy in the cache. Read
+        buffered in every case: a root in memory (tmpfs, ramfs: shm://), where the page cache
+        is the storage; a file where O_DIRECT is refused (some network filesystems); runs
+        scattered thinly over the file (`_mostly_whole_chunks`); a file whose runs are in the
+        page cache already (`_cached`: O_DIRECT would read the disk again). A subclass that
+        routes reads elsewhere (its own `open_read`) keeps its route.
         """
         if (type(self).open_read is not LocalBackend.open_read or not ranges
                 or _in_memory(self.root) or not _mostly_whole_chunks(ranges, size)):
             with self.open_read(path, size) as stream:
                 yield stream
             return
+        wanted = sum(end - start for start, end in ranges)
+        keep = self._keeps(self._load_bytes if self._load_bytes is not None else wanted)
         fd = self._open_contained("open", path)
-        if _cached(fd, sorted(ranges)) or not _set_direct(fd, True):
+        cached = _cached(fd, sorted(ranges))
+        if keep or cached or not _set_direct(fd, True):
             with self._storage_op("open", path):
                 stream: Any = open(fd, "rb")  # noqa: SIM115 - closed below
-            with stream:
-                yield stream
+            ahead = _ReadAhead(fd, sorted(ranges)) if keep and not cached else None
+            try:
+                with stream:
+                    yield stream
+            finally:
+                if ahead is not None:
+                    ahead.stop()
             return
         with _DirectReads(self, path, fd, ranges) as stream:
             yield stream

@@ -13,7 +13,7 @@ import fsspec
 from statereg.backends.azure import AzureBackend
 from statereg.backends.base import StorageBackend
 from statereg.backends.gcs import GCSBackend
-from statereg.backends.local import LocalBackend
+from statereg.backends.local import READ_CACHE_MODES, LocalBackend, ReadCache
 from statereg.backends.memory import MemoryBackend
 from statereg.backends.s3 import S3Backend
 from statereg.backends.shm import SharedMemoryBackend
@@ -79,6 +79,17 @@ def backend_class(url: str) -> type[StorageBackend]:
     )
 
 
-def open_backend(url: str, options: dict[str, Any] | None = None) -> StorageBackend:
-    """Open the checkpoint root at `url` with fsspec `options` (secrets stay out of messages)."""
-    return backend_class(url)(url, options)
+def open_backend(url: str, options: dict[str, Any] | None = None,
+                 read_cache: ReadCache = "auto") -> StorageBackend:
+    """Open the checkpoint root at `url` with fsspec `options` (secrets stay out of messages).
+
+    `read_cache` (storage.read_cache) is the page-cache policy of a root on local disk
+    (`LocalBackend.read_cache`); other backends have no page cache of their own to steer.
+    """
+    if read_cache not in READ_CACHE_MODES:
+        raise SpecError(f"storage.read_cache {read_cache!r} for {url!r}: use one of "
+                        f"{', '.join(READ_CACHE_MODES)}")
+    backend = backend_class(url)(url, options)
+    if isinstance(backend, LocalBackend):
+        backend.read_cache = read_cache
+    return backend

@@ -271,6 +271,13 @@ class StorageSpec(_Declared):
         description="Compress tensor files (e.g. `compression: zstd`); loads need no setting: "
         "each file's codec is recorded.",
     )
+    read_cache: Literal["auto", "keep", "bypass"] = Field(
+        default="auto",
+        description="Local disk: whether the page cache keeps what loads read and saves "
+        "write. auto: keep it when it takes under half of the available memory, so a second "
+        "load is a memory copy; keep: always; bypass: never (O_DIRECT reads, written pages "
+        "dropped after the fsync). Other backends ignore it.",
+    )
 
     @field_validator("url")
     @classmethod

@@ -1,10 +1,12 @@
-"""Local data files are read with O_DIRECT where the filesystem allows it, buffered elsewhere.
+"""Local data files are read with O_DIRECT where the policy bypasses the page cache and the
+filesystem allows it, buffered elsewhere.
 
-A cold load is bound by the disk; statereg reads the runs of a data file in large aligned
-O_DIRECT chunks, several in flight, and copies out of them (docs/performance.md, "Cold
-load"). The same bytes must come back whatever the position, length and chunk boundaries,
-and a filesystem that refuses O_DIRECT (procfs here) or keeps files in memory (tmpfs) is
-read buffered instead.
+With `read_cache: bypass` (or auto for a checkpoint too large to cache) statereg reads the
+runs of a data file in large aligned O_DIRECT chunks, several in flight, and copies out of
+them (docs/performance.md, "Cold load"). The same bytes must come back whatever the position,
+length and chunk boundaries, and a filesystem that refuses O_DIRECT (procfs here) or keeps
+files in memory (tmpfs) is read buffered instead. tests/backends/test_read_cache.py covers
+the policy itself.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def data_file(tmp_path):
 
 def test_disk_reads_use_o_direct_and_return_every_byte_as_stored(data_file):
     root, data = data_file
-    backend = open_backend(str(root))
+    backend = open_backend(str(root), read_cache="bypass")
     ranges = [(100, _DIRECT_CHUNK + 7), (_DIRECT_CHUNK + 9, _SIZE)]
     with backend.open_ranges("data.bin", ranges, _SIZE) as stream:
         assert _direct(stream)
@@ -68,14 +70,15 @@ def test_a_file_in_the_page_cache_is_read_buffered(data_file):
     # Just read (or just written): O_DIRECT would read from the disk what memory holds.
     root, data = data_file
     assert (root / "data.bin").read_bytes() == data
-    with open_backend(str(root)).open_ranges("data.bin", [(0, _SIZE)], _SIZE) as stream:
+    with open_backend(str(root), read_cache="bypass").open_ranges("data.bin", [(0, _SIZE)],
+                                                                  _SIZE) as stream:
         assert not _direct(stream)
         assert stream.read() == data
 
 
 def test_a_filesystem_refusing_o_direct_is_read_buffered():
     # procfs refuses O_DIRECT (fcntl answers EINVAL); its files are regular files.
-    backend = open_backend("/proc")
+    backend = open_backend("/proc", read_cache="bypass")
     with open("/proc/version", "rb") as f:
         expected = f.read()
     with backend.open_ranges("version", [(0, 4096)]) as stream:
@@ -90,7 +93,8 @@ def test_a_root_in_memory_is_read_buffered():
         data = os.urandom(10000)
         with open(os.path.join(folder, "data.bin"), "wb") as f:
             f.write(data)
-        with open_backend(folder).open_ranges("data.bin", [(10, 9000)]) as stream:
+        with open_backend(folder, read_cache="bypass").open_ranges("data.bin",
+                                                                   [(10, 9000)]) as stream:
             assert not _direct(stream)
             stream.seek(10)
             assert stream.read(8990) == data[10:9000]
@@ -111,8 +115,8 @@ def test_a_dcp_load_through_direct_reads_is_bit_identical_and_verified(tmp_path)
     targets = {k: torch.zeros_like(v) for k, v in state.items() if k != "meta"}
     targets["meta"] = {"step": 0}
 
-    load_in_place(targets, BackendReader(open_backend(str(tmp_path)), "ckpt", records=records),
-                  SafeLoadPlanner())
+    bypass = open_backend(str(tmp_path), read_cache="bypass")
+    load_in_place(targets, BackendReader(bypass, "ckpt", records=records), SafeLoadPlanner())
 
     for key in ("big", "small", "half"):
         assert torch.equal(targets[key], state[key]), key

@@ -1,0 +1,209 @@
+"""storage.read_cache: whether the page cache keeps what loads read and saves write.
+
+Under the default (auto) a checkpoint that fits comfortably in memory stays in the page
+cache, so a second load of it reads nothing from the disk; `bypass` reads with O_DIRECT and
+drops what a save wrote, so the cache is left as it was (docs/performance.md, "The page
+cache"). Residency is asked of the kernel with mincore(2) on a mapping of each file, which
+faults nothing in; disk reads are counted by /proc/self/io's read_bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import statereg
+from statereg.backends import open_backend
+from statereg.backends.local import _in_memory, keeps_pages
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int64)
+_LIBC.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_LIBC.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def resident(path: Path) -> tuple[int, int]:
+    """(pages of `path` in the page cache, pages of `path`), by mincore(2)."""
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, _MAP_FAILED), os.strerror(ctypes.get_errno())
+        try:
+            vector = (ctypes.c_ubyte * pages)()
+            assert _LIBC.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
+            return sum(byte & 1 for byte in vector), pages
+        finally:
+            _LIBC.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop the files' pages from the page cache (written back first), as after a reboot."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_reads() -> int:
+    """Bytes this process has had read from a disk (/proc/self/io read_bytes)."""
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("read_bytes:"))
+
+
+class Run:
+    """A model of two 1024 x 1024 layers and its AdamW state after a step (~25 MB)."""
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.model(torch.randn(4, 1024)).sum().backward()
+        self.optimizer.step()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        flat = {f"model.{k}": v.clone() for k, v in self.model.state_dict().items()}
+        for index, moments in self.optimizer.state_dict()["state"].items():
+            flat.update({f"optimizer.{index}.{k}": v.clone() for k, v in moments.items()})
+        return flat
+
+
+def manager(root: Path, run: Run, **storage: str) -> statereg.CheckpointManager:
+    spec = {"storage": {"url": str(root), **storage},
+            "components": {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}}}
+    return statereg.CheckpointManager(spec, model=run.model, optimizer=run.optimizer)
+
+
+def data_files(root: Path) -> list[Path]:
+    found = sorted(root.rglob("*.distcp"))
+    assert found, f"no data files under {root}"
+    return found
+
+
+def assert_loaded(run: Run, expected: dict[str, torch.Tensor]) -> None:
+    actual = run.state()
+    assert actual.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(actual[key], tensor), key
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    if _in_memory(str(tmp_path)):
+        pytest.skip("the temporary folder is in memory (tmpfs): it has no page cache to spare")
+    return tmp_path / "ckpts"
+
+
+def test_a_second_load_under_the_default_policy_reads_nothing_from_disk(root):
+    saved = Run(seed=0)
+    expected = saved.state()
+    manager(root, saved).save(step=1)
+    files = data_files(root)
+    evict(files)  # the first load starts cold, as after a reboot
+    assert all(resident(path)[0] == 0 for path in files)
+
+    run = Run(seed=1)
+    mgr = manager(root, run)
+    mgr.load()
+    assert_loaded(run, expected)
+    assert [cached == pages for cached, pages in map(resident, files)] == [True] * len(files)
+
+    with torch.no_grad():  # the second load must put every byte back
+        for parameter in run.model.parameters():
+            parameter.zero_()
+        for moments in run.optimizer.state.values():
+            for value in moments.values():
+                value.zero_()
+    before = disk_reads()
+    mgr.load()
+    read = disk_reads() - before
+    assert_loaded(run, expected)
+    stored = sum(path.stat().st_size for path in files)
+    assert read <= stored // 100, f"the second load read {read} of {stored} bytes from disk"
+
+
+def test_a_save_under_the_default_policy_leaves_its_files_cached(root):
+    # Files past 64 MiB start their writeback early; that must not drop their pages.
+    torch.manual_seed(0)
+    model = nn.Linear(4500, 4500)  # 81 MB of weights: one file past the writeback step
+    spec = {"storage": {"url": str(root)}, "components": {"model": {"kind": "model"}}}
+    statereg.CheckpointManager(spec, model=model).save(step=1)
+    for path in data_files(root):
+        cached, pages = resident(path)
+        assert cached == pages, f"{path.name}: {cached} of {pages} pages cached after the save"
+
+
+def test_bypass_leaves_the_page_cache_as_it_was(root):
+    saved = Run(seed=0)
+    expected = saved.state()
+    manager(root, saved, read_cache="bypass").save(step=1)
+    files = data_files(root)
+    # The save let the cache drop what it wrote.
+    assert [resident(path)[0] for path in files] == [0] * len(files)
+
+    run = Run(seed=1)
+    mgr = manager(root, run, read_cache="bypass")
+    mgr.load()  # cold: read around the cache
+    assert_loaded(run, expected)
+    assert [resident(path)[0] for path in files] == [0] * len(files)
+
+    for path in files:  # warm (someone read the files): read from the cache, left there
+        path.read_bytes()
+    run = Run(seed=2)
+    manager(root, run, read_cache="bypass").load()
+    assert_loaded(run, expected)
+    assert all(cached == pages for cached, pages in map(resident, files))
+
+
+def test_keep_and_auto_read_through_the_cache_and_auto_bypasses_a_load_too_large(root):
+    saved = Run(seed=0)
+    manager(root, saved).save(step=1)
+    path = max(data_files(root), key=lambda p: p.stat().st_size)
+    size = path.stat().st_size
+    relative = str(path.relative_to(root))
+
+    def direct(backend: statereg.backends.StorageBackend) -> bool:
+        evict([path])
+        with backend.open_ranges(relative, [(0, size)], size) as stream:
+            assert stream.read() == path.read_bytes()
+            return bool(fcntl.fcntl(stream.fileno(), fcntl.F_GETFL) & os.O_DIRECT)
+
+    assert not direct(open_backend(str(root)))  # auto, one small file
+    assert not direct(open_backend(str(root)).for_reading(size))  # auto, a small load
+    assert direct(open_backend(str(root)).for_reading(1 << 62))  # auto, a load past memory
+    assert not direct(open_backend(str(root), read_cache="keep").for_reading(1 << 62))
+    assert direct(open_backend(str(root), read_cache="bypass"))
+
+
+def test_auto_keeps_what_takes_under_half_of_the_available_memory():
+    assert keeps_pages("auto", 49, 100)
+    assert not keeps_pages("auto", 50, 100)
+    assert keeps_pages("auto", 1 << 40, None)  # unknown (not Linux): buffered, as there
+    assert keeps_pages("keep", 1 << 40, 1)
+    assert not keeps_pages("bypass", 1, 1 << 40)
+
+
+def test_an_unknown_read_cache_is_refused_naming_the_field(tmp_path):
+    spec = {"storage": {"url": str(tmp_path), "read_cache": "sometimes"},
+            "components": {"model": {"kind": "model"}}}
+    with pytest.raises(statereg.SpecError, match=r"storage\.read_cache: Input should be "
+                                                  r"'auto', 'keep' or 'bypass'"):
+        statereg.CheckpointManager(spec, model=nn.Linear(2, 2))
+    with pytest.raises(statereg.SpecError, match=r"storage.read_cache 'sometimes'"):
+        open_backend(str(tmp_path), read_cache="sometimes")  # type: ignore[arg-type]
