@@ -236,6 +236,8 @@ class CheckpointManager:
         read_cache = self.spec.storage.read_cache
         if options is not None:
             return open_backend(root, options, read_cache)
+        if root.rstrip("/") == self._backend.url.rstrip("/"):  # as list() names them
+            return self._backend
         candidate = open_backend(root, {}, read_cache)
         if (type(candidate), candidate.root) == (type(self._backend), self._backend.root):
             return self._backend

@@ -88,7 +88,12 @@ def test_a_background_save_is_committed_once_wait_returns(store):
     assert_identical(fresh.snapshot(), saved)
 
 
-def test_latest_and_list_name_the_committed_checkpoints_oldest_first(store):
+def test_latest_and_list_name_the_committed_checkpoints_oldest_first(store, compression):
+    if store.kind == "gcs" and compression == "zstd":
+        # Step 3's compressed model file ends in b"\r", which the emulator drops on upload
+        # (tests/reliability/test_roundtrip.py shows it); list() then rightly skips step 3 as
+        # one byte short by its listing. Real GCS keeps the byte.
+        pytest.skip("gcp-storage-emulator drops an upload's trailing \\r byte")
     run = TinyRun(seed=0)
     mgr = manager(store, run)
     assert (mgr.latest(), mgr.list(), mgr.load()) == (None, [], None)
