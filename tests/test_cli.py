@@ -489,9 +489,10 @@ def test_plan_with_tiers_and_a_model_counts_what_it_measured(
 
 
 def test_the_cli_run_id_is_the_tier_engine_run_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    """tier_report repeats engine/tiers.py's run id (which imports torch): they must agree,
-    or `statereg ls` would look in another run's memory folder."""
-    from statereg.engine import tier_report, tiers
+    """The CLI's report (torch-free) and the tier engine (which imports torch) name the same
+    run folder, or `statereg ls` would look in another run's memory folder."""
+    from statereg.tiers import engine as tiers
+    from statereg.tiers import identity as tier_report
 
     spec = statereg.load_spec(_spec(Path("/tmp/some-run")) | {"tiers": {}})
     monkeypatch.delenv("STATEREG_RUN_ID", raising=False)

@@ -14,18 +14,12 @@ memory folder each, as real hosts do.
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import gc
-import json
 import logging
 import os
 import re
 import shutil
 import socket
 import stat
-import time
-import weakref
 from typing import Any
 
 from statereg.backends.local import LocalBackend
@@ -43,19 +37,6 @@ _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 RECYCLED = ".recycled"
 # Open an existing file for writing from its start without freeing its pages (no O_TRUNC).
 _OVERWRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-# The file a live job holds a lock on, in its memory root (`SharedMemoryBackend.hold`).
-LOCK_NAME = "job.lock"
-
-
-# Memory roots held by this process (`SharedMemoryBackend.hold`): record locks do not
-# conflict within a process, so a second open manager on one root is refused by this.
-_HOLDERS: dict[str, weakref.ref[SharedMemoryBackend]] = {}
-
-
-def _holder(root: str) -> SharedMemoryBackend | None:
-    ref = _HOLDERS.get(root)
-    backend = ref() if ref is not None else None
-    return backend if backend is not None and backend._held is not None else None
 
 
 def shm_dir() -> str:
@@ -66,6 +47,11 @@ def shm_dir() -> str:
 def node_name() -> str:
     """This node's name: $STATEREG_NODE (a simulated node), else the host name."""
     return _SAFE.sub("_", os.environ.get(NODE_ENV) or socket.gethostname()) or "node"
+
+
+def node_dir() -> str:
+    """This node's folder of memory roots: `<shm>/statereg/<node>`."""
+    return os.path.join(shm_dir(), "statereg", node_name())
 
 
 def free_bytes(path: str) -> int:
@@ -94,9 +80,14 @@ class SharedMemoryBackend(LocalBackend):
     # would be the slow path (bench_replica.py: a restore took 1.5x longer with it).
     broadcast_reads = False
     # Whether a retired checkpoint's pages are written over by the next save instead of
-    # being freed and allocated again (the tier engine turns it on; see `remove_tree`).
+    # being freed and allocated again (`remove_tree`); the memory tier opens its folder with
+    # `recycle=True`.
     recycle = False
-    _held: weakref.finalize | None = None  # closes LOCK_NAME's descriptor: see `hold`
+
+    def __init__(self, url: str, options: dict[str, Any] | None = None, *,
+                 recycle: bool = False) -> None:
+        super().__init__(url, options)
+        self.recycle = recycle
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         name = url[len("shm://"):].strip("/")
@@ -108,100 +99,7 @@ class SharedMemoryBackend(LocalBackend):
             raise StorageError(f"{url}: the shared-memory folder {base} does not exist; "
                                f"mount a tmpfs there or point ${SHM_DIR_ENV} at one")
         fs, _ = super()._open_filesystem("/", {})
-        return fs, os.path.join(base, "statereg", node_name(), name)
-
-    def check_room(self, needed: int, what: str) -> None:
-        """Refuse, with the numbers, when the shared-memory filesystem cannot hold `needed`
-        bytes (counting what this root already holds, which its retention reuses)."""
-        os.makedirs(self.root, exist_ok=True)
-        lock = self.full_path(LOCK_NAME)
-        held = used_bytes(self.root) - (os.lstat(lock).st_size if os.path.exists(lock) else 0)
-        free = free_bytes(self.root)
-        if needed > free + held:
-            others, stale = self._other_jobs(), ""
-            if others:
-                stale = (f"; other jobs' memory checkpoints on this node hold "
-                         f"{sum(others.values()):,} bytes (memory outlives a job by design; "
-                         "delete the folders of finished jobs to free it: "
-                         f"{', '.join(f'{p} {n:,}' for p, n in others.items())})")
-            raise StorageError(
-                f"{self.url} ({self.root}) is too small for {what}: it needs {needed:,} bytes, "
-                f"and {free:,} bytes are free plus {held:,} held by this job's memory "
-                f"checkpoints{stale}. Lower tiers.memory.keep_last, enlarge the tmpfs (e.g. "
-                f"`mount -o remount,size=... {shm_dir()}`), or point ${SHM_DIR_ENV} at a "
-                "larger one"
-            )
-
-    def _other_jobs(self, most: int = 5) -> dict[str, int]:
-        """The biggest job folders (`<run>/<identity>`) on this node other than this root,
-        with the bytes they hold: what a finished job left in memory."""
-        node = os.path.join(shm_dir(), "statereg", node_name())
-        sizes: dict[str, int] = {}
-        for run in os.listdir(node) if os.path.isdir(node) else []:
-            runs = os.path.join(node, run)
-            for job in os.listdir(runs) if os.path.isdir(runs) else []:
-                folder = os.path.join(runs, job)
-                if folder != self.root and not self.root.startswith(folder + os.sep):
-                    sizes[folder] = used_bytes(folder)
-        biggest = sorted(sizes.items(), key=lambda item: item[1], reverse=True)[:most]
-        return {folder: size for folder, size in biggest if size}
-
-    # -- one live job per memory root --------------------------------------------------
-
-    def hold(self) -> None:
-        """Hold this root for this process until `release()` or its exit, or refuse with the
-        holder when another live process holds it.
-
-        Two jobs saving into one memory root would each take the other's checkpoints for an
-        abandoned run's and replace them (a save of step s removes what this folder holds
-        from step s on), so the second one is refused at construction. A POSIX record lock
-        (fcntl) is dropped by the kernel when its process ends, however it ends (SIGKILL
-        included), so a restarted trainer is never locked out by its dead predecessor, and
-        it is not inherited by forked DataLoader workers that may outlive it for a moment.
-        Record locks do not conflict within one process, so the process also keeps a list
-        of the roots it holds (`_HOLDERS`): a second open manager in the same process (two
-        managers built from one declaration, a notebook cell run again while its first
-        manager is still open) is refused too, until the first is closed or collected.
-        """
-        os.makedirs(self.root, exist_ok=True)
-        if _holder(self.root) is not None:
-            gc.collect()  # a manager dropped without close() may wait in a reference cycle
-        if _holder(self.root) is not None:
-            raise StorageError(
-                f"{self.url} ({self.root}) is held by another open CheckpointManager in this "
-                "process: close() it first (or `with CheckpointManager(...)`)")
-        fd = os.open(self.full_path(LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                # A folder on a filesystem without record locks (ENOLCK): the tier works,
-                # only a second job would go unnoticed.
-                logger.warning("memory tier: cannot lock %s (%s); a second job saving into "
-                               "this folder would not be detected", self.full_path(LOCK_NAME),
-                               exc)
-                return
-            raise StorageError(
-                f"{self.url} ({self.root}) is in use by another live job on this node "
-                f"({holder}): two jobs saving into one memory tier would delete and replace "
-                "each other's checkpoints. Stop that job, or give this one its own "
-                "storage.url (and $STATEREG_RUN_ID, if set)"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
-        # A manager dropped without close() lets go of the root when it is collected.
-        self._held = weakref.finalize(self, os.close, fd)
-        _HOLDERS[self.root] = weakref.ref(self)
-
-    def release(self) -> None:
-        """Let another job use this root (closing the file drops the lock)."""
-        if self._held is not None:
-            self._held()
-            self._held = None
+        return fs, os.path.join(node_dir(), name)
 
     # -- reusing the pages of retired checkpoints ----------------------------------------
 
@@ -236,6 +134,12 @@ class SharedMemoryBackend(LocalBackend):
     def drop_recycled(self) -> None:
         """Free the pages of the retired checkpoint waiting in `.recycled/`, if any."""
         shutil.rmtree(self.full_path(RECYCLED), ignore_errors=True)
+
+    def open_contained(self, path: str) -> int:
+        """A read-only descriptor of the regular file at `path` below the root, opened
+        without following any link (what a peer server sends); FileNotFoundError if absent,
+        CorruptCheckpointError or StorageError for a link or a special file."""
+        return self._open_contained("read", path)
 
     def _open_for_write(self, path: str, full: str) -> int:
         """With `recycle`, a file of the retired checkpoint at the same path below its step

@@ -105,7 +105,7 @@ class Saver:
              after_commit: Callable[[str], None] | None = None) -> SaveHandle:
         """Save `step`; `after_commit(name)` runs once it is committed, on every rank, where
         the commit ran (in the background for an async save: memory tiers share, retain and
-        drain there, engine/tiers.py)."""
+        drain there, statereg/tiers/engine.py)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise SpecError(f"save(step={step!r}): step must be a non-negative int")
         if tokens_seen is not None and (not isinstance(tokens_seen, int)

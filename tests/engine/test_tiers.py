@@ -25,10 +25,10 @@ import statereg
 from statereg.backends.registry import open_backend
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.engine.checkpoints import list_committed
-from statereg.engine.tiers import Nodes, identity_folder, job_identity, run_id
 from statereg.engine.verify import verify_files
 from statereg.engine.world import World, WorldLayout
 from statereg.errors import SpecError, StateregError, StorageError
+from statereg.tiers.identity import Nodes, identity_folder, job_identity, run_id
 from tests.conftest import make_store
 
 COMPONENTS = {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}}
@@ -573,7 +573,7 @@ def test_a_folder_without_record_locks_still_works_and_says_a_second_job_goes_un
     def no_locks(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr("statereg.backends.shm.fcntl.lockf", no_locks)
+    monkeypatch.setattr("statereg.tiers.lock.lockf", no_locks)
     with caplog.at_level(logging.WARNING, logger="statereg"):
         mgr = run(tiered(str(tmp_path / "durable")), 2)
     mgr.close()

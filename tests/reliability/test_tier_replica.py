@@ -198,8 +198,8 @@ def refused_while_node1_is_held(rank: int, world: int, shm: Path, durable: str,
                                 holder: int) -> None:
     """Another live process holds node 1's folder: both ranks are refused at construction
     (node 1's leader by the lock, rank 0 by the agreement), and rank 0 lets go of node 0's."""
-    from statereg.backends import shm as shm_module
     from statereg.errors import StateregError
+    from statereg.tiers.lock import JobLock
 
     _on_node(rank, shm, per_node=1)
     with pytest.raises(StateregError) as refused:
@@ -207,7 +207,12 @@ def refused_while_node1_is_held(rank: int, world: int, shm: Path, durable: str,
     if rank == 1:
         assert "is in use by another live job on this node" in str(refused.value)
         assert f'"pid": {holder}' in str(refused.value)
-    assert not any(shm_module._holder(root) for root in shm_module._HOLDERS)
+    if rank == 0:  # it let go of node 0's folder: the lock is free again in this process
+        folder = next((shm / "statereg" / "node0" / "replica-drill").glob("ws2-*"))
+        probe = JobLock(str(folder), "node 0's folder")
+        probe.acquire()
+        assert probe.held
+        probe.release()
 
 
 HOLD = """
@@ -245,7 +250,7 @@ def test_a_second_job_on_several_nodes_is_refused_on_every_rank_and_writes_nothi
 
 @pytest.mark.parametrize("replicate", [True, False])
 def test_the_memory_math_counts_the_peer_replica(replicate: bool) -> None:
-    from statereg.engine.tiers import SMALL_FILES_BYTES, Nodes, node_bytes
+    from statereg.tiers.identity import SMALL_FILES_BYTES, Nodes, node_bytes
 
     nodes = Nodes.from_names(["a", "a", "b", "b", "c", "c"])
     per_rank = [10, 20, 30, 40, 50, 60]
@@ -263,7 +268,7 @@ KILL_STEPS = 6
 def _arm(kill_at: int, at_end: bool) -> None:
     """Die by SIGKILL in the `kill_at`-th replica copy of this process: as it starts, or
     with the whole file copied (and verified) under its temporary name (before the rename)."""
-    from statereg.backends import peers
+    from statereg.tiers import node_memory as peers
 
     real = peers.verify_stream
     calls = [0]
