@@ -124,6 +124,7 @@ class TierEngine:
         small for keep_last + 1 checkpoints; record the identity."""
         if not self.leads:
             return
+        self.memory.make_private()  # this user's folders, 0700, each checked (no link)
         self.lock.acquire()
         held = "this node's state" + (" and its peer's replica" if self.replicate else "")
         check_room(self.memory, needed, f"tiers.memory.keep_last {self.tiers.memory.keep_last} "

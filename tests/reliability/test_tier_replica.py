@@ -35,6 +35,8 @@ from statereg.engine.verify import verify_files
 from tests.distributed.harness import run_ranks
 
 STEPS = 4
+# This user's folder of memory roots under the shared-memory folder (backends/shm.py).
+PRIVATE = f"statereg-{os.geteuid()}"
 
 
 class Cursor:
@@ -106,7 +108,7 @@ def _lose_node(rank: int, shm: Path, node: str) -> None:
     """Node `node`'s memory is gone (a reboot, a new host), seen by every rank at once."""
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(shm / "statereg" / node)
+        shutil.rmtree(shm / PRIVATE / node)
     dist.barrier()
 
 
@@ -139,26 +141,26 @@ def test_a_lost_node_restores_from_its_peer_replica_bit_identically(tmp_path: Pa
     shm.mkdir()
     run_ranks(4, replica_save, tmp_path, shm, str(durable), tmp_path)
     # Both folders hold every file of the newest step: their own and their peer's.
-    listing = {node: sorted(str(p.relative_to(shm / "statereg" / node))
-                            for p in (shm / "statereg" / node).rglob("step_00000004/*/*"))
+    listing = {node: sorted(str(p.relative_to(shm / PRIVATE / node))
+                            for p in (shm / PRIVATE / node).rglob("step_00000004/*/*"))
                for node in ("node0", "node1")}
     assert listing["node0"] == listing["node1"]
     assert any(p.endswith("/cursor/rank_00003.json") for p in listing["node0"])
     assert any(p.endswith("/cursor/rank_00000.json") for p in listing["node1"])
     assert not any(".tmp-" in p for p in listing["node1"])
     # Node 0 is lost (a new host in its place), and the job restarts: new processes.
-    shutil.rmtree(shm / "statereg" / "node0")
+    shutil.rmtree(shm / PRIVATE / "node0")
     run_ranks(4, replica_restore, tmp_path, shm, str(durable), tmp_path)
     # storage.url never received a checkpoint: the restore read nothing from it.
     assert not durable.exists() or not any(durable.glob("step_*"))
-    assert not list((shm / "statereg" / "node0").rglob("step_*"))
+    assert not list((shm / PRIVATE / "node0").rglob("step_*"))
 
 
 def peers_drill(rank: int, world: int, shm: Path, durable: str, out: Path) -> None:
     _on_node(rank, shm)
     spec = _spec(durable, replicate=False, drain_every=2)
     trained = _train_and_save(rank, spec)
-    node1 = shm / "statereg" / "node1"
+    node1 = shm / PRIVATE / "node1"
     dist.barrier()
     # Node 1 holds only what its ranks wrote (and the manifest), not rank 0's cursor or
     # rank 0's share of the model...
@@ -208,7 +210,7 @@ def refused_while_node1_is_held(rank: int, world: int, shm: Path, durable: str,
         assert "is in use by another live job on this node" in str(refused.value)
         assert f'"pid": {holder}' in str(refused.value)
     if rank == 0:  # it let go of node 0's folder: the lock is free again in this process
-        folder = next((shm / "statereg" / "node0" / "replica-drill").glob("ws2-*"))
+        folder = next((shm / PRIVATE / "node0" / "replica-drill").glob("ws2-*"))
         probe = JobLock(str(folder), "node 0's folder")
         probe.acquire()
         assert probe.held
@@ -217,6 +219,7 @@ def refused_while_node1_is_held(rank: int, world: int, shm: Path, durable: str,
 
 HOLD = """
 import fcntl, json, os, sys, time
+
 fd = os.open(sys.argv[1], os.O_RDWR)
 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 os.ftruncate(fd, 0)
@@ -233,7 +236,7 @@ def test_a_second_job_on_several_nodes_is_refused_on_every_rank_and_writes_nothi
     shm, durable = tmp_path / "shm", tmp_path / "durable"
     shm.mkdir()
     run_ranks(2, save_steps, tmp_path, shm, str(durable))
-    folders = {node: next((shm / "statereg" / node / "replica-drill").glob("ws2-*"))
+    folders = {node: next((shm / PRIVATE / node / "replica-drill").glob("ws2-*"))
                for node in ("node0", "node1")}
     before = {node: sorted(str(p) for p in folder.rglob("*")) for node, folder in folders.items()}
     with subprocess.Popen([sys.executable, "-c", HOLD, str(folders["node1"] / "job.lock")],
@@ -346,7 +349,7 @@ def _newest_whole(base: Path) -> int:
     from statereg.backends.registry import open_backend
     from statereg.engine.checkpoints import list_committed
 
-    folders = [open_backend(str(f)) for f in (base / "shm" / "statereg").glob("node*/*/ws*")]
+    folders = [open_backend(str(f)) for f in (base / "shm" / PRIVATE).glob("node*/*/ws*")]
     best = 0
     for folder in folders:
         for committed in list_committed(folder):
