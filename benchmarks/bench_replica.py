@@ -41,7 +41,8 @@ import torch.multiprocessing as mp
 from bench_save_load import build_state
 
 import statereg
-from statereg.backends.peers import NodeMemoryBackend, PeerServer, open_peer
+from statereg.tiers.node_memory import NodeMemoryBackend
+from statereg.tiers.transport import PeerServer, open_peer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from storage_servers import new_bucket, s3_options, start_server

@@ -94,8 +94,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def _tiers_block(spec: Any, job: list[Any], args: argparse.Namespace) -> str:
     """The tiers' cadence and retention and the memory math (docs/tiers.md); the math covers
     every rank of `job`, whatever --rank shows."""
-    from statereg.engine.tier_report import memory_math, render_tiers
     from statereg.schemas.spec import parse_size
+    from statereg.tiers.report import memory_math, render_tiers
 
     if not 1 <= args.nodes <= args.world_size or args.world_size % args.nodes:
         raise SpecError(f"--nodes {args.nodes}: give a divisor of --world-size "
@@ -151,7 +151,7 @@ def cmd_ls(args: argparse.Namespace) -> None:
     backend = open_backend(_root(args), _options(args))
     memory_url = _memory_url(args)
     if memory_url is not None:
-        from statereg.engine.tier_report import memory_roots, render_locations
+        from statereg.tiers.report import memory_roots, render_locations
 
         print(render_locations(backend, memory_roots(memory_url), memory_url))
         return
@@ -175,7 +175,7 @@ def _identity_hint(url: str) -> str:
     and no checkpoint itself: the identity folders to list instead."""
     if not url.startswith("shm://"):
         return ""
-    from statereg.engine.tier_report import memory_roots
+    from statereg.tiers.report import memory_roots
 
     roots = [r.url for r in memory_roots(url) if r.url != url]
     if not roots:
@@ -198,7 +198,7 @@ def _memory_url(args: argparse.Namespace) -> str | None:
     if not args.spec:
         return None
     from statereg.declaration import load_spec
-    from statereg.engine.tier_report import memory_url_for
+    from statereg.tiers.report import memory_url_for
 
     return memory_url_for(load_spec(args.spec), None)
 

@@ -26,8 +26,6 @@ from statereg.engine.load import LoadResult, load_checkpoint, select_components
 from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
 from statereg.engine.retention import best_checkpoints
 from statereg.engine.saver import SaveHandle, SaveInfo, Saver
-from statereg.engine.signals import SignalGuard
-from statereg.engine.tiers import TierEngine
 from statereg.engine.verify import VerifyMode
 from statereg.engine.world import World
 from statereg.errors import (
@@ -43,6 +41,8 @@ from statereg.schemas.spec import RegistrySpec
 from statereg.state.factory import build_adapters, check_objects
 from statereg.state.model import ModelAdapter
 from statereg.state.protocols import TensorState
+from statereg.tiers.engine import TierEngine
+from statereg.tiers.signals import SignalGuard
 
 logger = logging.getLogger("statereg")
 
@@ -158,6 +158,13 @@ class CheckpointManager:
         the copy runs in the background too: call `wait_staged()` before changing the state.
         Refused while a failed load may have left components half-overwritten (see load()).
         """
+        if self._signals is None:
+            return self._save(step, tokens_seen, extra)
+        with self._signals.saving():  # a signal during the save is acted on after it
+            return self._save(step, tokens_seen, extra)
+
+    def _save(self, step: int, tokens_seen: int | None,
+              extra: dict[str, Any] | None) -> SaveHandle | None:
         if self._damaged:
             names = ", ".join(sorted(self._damaged))
             raise StateregError(

@@ -21,6 +21,9 @@ import statereg
 from statereg.cli import main
 from statereg.schemas import SCHEMA_FILES, json_schema
 
+# This user's folder of memory roots under the shared-memory folder (backends/shm.py).
+PRIVATE = f"statereg-{os.geteuid()}"
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -489,9 +492,10 @@ def test_plan_with_tiers_and_a_model_counts_what_it_measured(
 
 
 def test_the_cli_run_id_is_the_tier_engine_run_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    """tier_report repeats engine/tiers.py's run id (which imports torch): they must agree,
-    or `statereg ls` would look in another run's memory folder."""
-    from statereg.engine import tier_report, tiers
+    """The CLI's report (torch-free) and the tier engine (which imports torch) name the same
+    run folder, or `statereg ls` would look in another run's memory folder."""
+    from statereg.tiers import engine as tiers
+    from statereg.tiers import identity as tier_report
 
     spec = statereg.load_spec(_spec(Path("/tmp/some-run")) | {"tiers": {}})
     monkeypatch.delenv("STATEREG_RUN_ID", raising=False)
@@ -516,7 +520,7 @@ def test_ls_with_tiers_shows_where_each_step_lives_without_torch(
                                     optimizer=optimizer) as mgr:
         for step in range(1, 26):
             mgr.save(step)  # memory keeps 20, 25; durable has 10, 20
-    memory = next((tmp_path / "shm" / "statereg").glob("*/lsrun/ws1-*"))
+    memory = next((tmp_path / "shm" / PRIVATE).glob("*/lsrun/ws1-*"))
     (memory / "step_00000030").mkdir()  # a memory save that was killed before its manifest
     (durable / "step_00000040").mkdir()  # a drain that was killed before its manifest
     victim = next((memory / "step_00000025" / "model").glob("*.distcp"))

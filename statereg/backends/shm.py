@@ -6,26 +6,28 @@ or the network. Everything else is local disk: the same durable-write and contai
 (`LocalBackend`), so the commit protocol (manifest last, checksums, exclusive create) is the
 same as on any root.
 
-`shm://NAME` is the folder `<shm>/statereg/<node>/NAME`, where `<shm>` is /dev/shm, or
-$STATEREG_SHM_DIR (tests point it at a temporary folder), and `<node>` names this host:
-$STATEREG_NODE, else the host name. Several simulated nodes on one machine thus get one
-memory folder each, as real hosts do.
+`shm://NAME` is the folder `<shm>/statereg-<uid>/<node>/NAME`, where `<shm>` is /dev/shm,
+or $STATEREG_SHM_DIR (tests point it at a temporary folder), `<uid>` is this user's, and
+`<node>` names this host: $STATEREG_NODE, else the host name. Several simulated nodes on one
+machine thus get one memory folder each, as real hosts do.
+
+/dev/shm is shared by every local user, so the memory of one user's job is private to that
+user: `statereg-<uid>` is created 0700, files 0600 and folders 0700 below it, and every
+folder from `statereg-<uid>` down to the root is checked to be a directory (never a link)
+that this user owns before anything is read, written or deleted there (`check_private`). A
+folder another user made first, or a link swapped in, is refused with its owner and
+$STATEREG_SHM_DIR named, before a byte moves.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import gc
-import json
+import contextlib
 import logging
 import os
 import re
 import shutil
 import socket
 import stat
-import time
-import weakref
 from typing import Any
 
 from statereg.backends.local import LocalBackend
@@ -43,19 +45,8 @@ _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 RECYCLED = ".recycled"
 # Open an existing file for writing from its start without freeing its pages (no O_TRUNC).
 _OVERWRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-# The file a live job holds a lock on, in its memory root (`SharedMemoryBackend.hold`).
-LOCK_NAME = "job.lock"
-
-
-# Memory roots held by this process (`SharedMemoryBackend.hold`): record locks do not
-# conflict within a process, so a second open manager on one root is refused by this.
-_HOLDERS: dict[str, weakref.ref[SharedMemoryBackend]] = {}
-
-
-def _holder(root: str) -> SharedMemoryBackend | None:
-    ref = _HOLDERS.get(root)
-    backend = ref() if ref is not None else None
-    return backend if backend is not None and backend._held is not None else None
+# A new or emptied file, readable by this user only (LocalBackend's, with mode 0600).
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def shm_dir() -> str:
@@ -86,6 +77,143 @@ def used_bytes(path: str) -> int:
     return total
 
 
+# -- a private root per user -----------------------------------------------------------------
+
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Shared-memory folders already checked for their filesystem (one warning each).
+_FILESYSTEMS_SEEN: set[str] = set()
+
+
+def private_dir() -> str:
+    """This user's folder of memory roots, `<shm>/statereg-<uid>`: created 0700, and used
+    only while this user owns it and it is no link (`check_private`)."""
+    return os.path.join(shm_dir(), f"statereg-{os.geteuid()}")
+
+
+def node_dir() -> str:
+    """This node's folder of memory roots: `<shm>/statereg-<uid>/<node>`."""
+    return os.path.join(private_dir(), node_name())
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem mounted at `path` or above it (/proc/self/mountinfo)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mounts:
+            lines = mounts.read().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best, found = -1, None
+    for line in lines:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        after = line.split(" - ", 1)[1].split()
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best and after:
+            best, found = len(point), after[0]
+    return found
+
+
+def _warn_if_not_memory(base: str) -> None:
+    if base in _FILESYSTEMS_SEEN:
+        return
+    _FILESYSTEMS_SEEN.add(base)
+    kind = filesystem_type(base)
+    if kind is not None and kind not in ("tmpfs", "ramfs"):
+        logger.warning("memory tier: %s is on a %s filesystem, not tmpfs or ramfs: memory "
+                       "checkpoints there are written to a disk and outlive a reboot; point "
+                       "$%s at a tmpfs (e.g. /dev/shm)", base, kind, SHM_DIR_ENV)
+
+
+def _not_private(path: str, why: str) -> StorageError:
+    return StorageError(
+        f"memory tier: {path} {why}. statereg keeps memory checkpoints in a folder that only "
+        f"this user (uid {os.geteuid()}) owns, and never reads, writes or deletes under "
+        "another user's folder or through a link: another local user could read the "
+        "checkpoints or redirect the job's deletions. Remove it (as its owner or root), or "
+        f"point ${SHM_DIR_ENV} at a folder of your own")
+
+
+def _describe_owner(info: os.stat_result) -> str:
+    return f"is owned by uid {info.st_uid}, not by this user"
+
+
+def check_private(root: str, create: bool) -> bool:
+    """Check every directory from `<shm>/statereg-<uid>` down to `root`: each is a directory
+    (no link: opened with O_NOFOLLOW, one component at a time) owned by this user, the first
+    one 0700. With `create`, missing ones are made 0700. Returns whether `root` exists;
+    StorageError (naming the path, its owner and $STATEREG_SHM_DIR) for anything else.
+
+    The shared-memory folder itself must be writable by its owner only or sticky (as
+    /dev/shm, 1777): there, no other user can rename or replace this user's folder, so once
+    checked the chain stays this user's."""
+    base = shm_dir()
+    relative = os.path.relpath(root, base)
+    parts = relative.split(os.sep)
+    if relative.startswith("..") or not parts[0].startswith("statereg-"):
+        raise StorageError(f"memory tier: {root} is not below {base}")
+    uid = os.geteuid()
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if info.st_mode & 0o002 and not info.st_mode & stat.S_ISVTX:
+            raise StorageError(
+                f"memory tier: the shared-memory folder {base} is writable by every user "
+                "without the sticky bit, so another user could replace this user's folder "
+                f"in it; `chmod +t {base}` (as /dev/shm is), or point ${SHM_DIR_ENV} at "
+                "another folder")
+        _warn_if_not_memory(base)
+        current = base
+        for depth, part in enumerate(parts):
+            current = os.path.join(current, part)
+            try:
+                child = os.open(part, _DIRECTORY, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    return False
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                child = _open_checked(part, fd, current)
+            except OSError as exc:
+                raise _refused(part, fd, current, exc) from None
+            os.close(fd)
+            fd = child
+            info = os.fstat(fd)
+            if info.st_uid != uid:
+                raise _not_private(current, _describe_owner(info))
+            if depth == 0 and stat.S_IMODE(info.st_mode) != 0o700:
+                os.fchmod(fd, 0o700)  # this user's own folder: keep it to this user
+        return True
+    finally:
+        os.close(fd)
+
+
+def _open_checked(name: str, parent: int, path: str) -> int:
+    try:
+        return os.open(name, _DIRECTORY, dir_fd=parent)
+    except OSError as exc:
+        raise _refused(name, parent, path, exc) from None
+
+
+def _refused(name: str, parent: int, path: str, error: OSError) -> StorageError:
+    """Why `name` in `parent` could not be opened as this user's directory."""
+    try:
+        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except OSError:
+        return _not_private(path, f"cannot be opened ({error})")
+    if stat.S_ISLNK(info.st_mode):
+        target = os.readlink(name, dir_fd=parent)
+        return _not_private(path, f"is a symbolic link (to {target}, made by uid "
+                                  f"{info.st_uid})")
+    if not stat.S_ISDIR(info.st_mode):
+        return _not_private(path, f"is not a directory (owned by uid {info.st_uid})")
+    if info.st_uid != os.geteuid():
+        return _not_private(path, _describe_owner(info))
+    return _not_private(path, f"cannot be opened ({error})")
+
+
 class SharedMemoryBackend(LocalBackend):
     """Checkpoints in this node's shared memory (`shm://NAME`)."""
 
@@ -94,9 +222,92 @@ class SharedMemoryBackend(LocalBackend):
     # would be the slow path (bench_replica.py: a restore took 1.5x longer with it).
     broadcast_reads = False
     # Whether a retired checkpoint's pages are written over by the next save instead of
-    # being freed and allocated again (the tier engine turns it on; see `remove_tree`).
+    # being freed and allocated again (`remove_tree`); the memory tier opens its folder with
+    # `recycle=True`.
     recycle = False
-    _held: weakref.finalize | None = None  # closes LOCK_NAME's descriptor: see `hold`
+
+    def __init__(self, url: str, options: dict[str, Any] | None = None, *,
+                 recycle: bool = False) -> None:
+        super().__init__(url, options)
+        self.recycle = recycle
+        # Whether every folder down to the root exists and is this user's (`check_private`):
+        # checked now (a folder of another user is refused at once), and before each
+        # operation until the whole chain exists.
+        self._private = check_private(self.root, create=False)
+
+    def make_private(self) -> None:
+        """Create the root (each missing folder 0700) and check the chain down to it."""
+        self._private = check_private(self.root, create=True)
+
+    def _checked(self, create: bool = False) -> None:
+        """Check the folders down to the root before an operation (once they all exist, they
+        stay this user's: no other user can change a folder inside a 0700 folder of theirs,
+        nor rename it out of a sticky shared-memory folder)."""
+        if not self._private:
+            self._private = check_private(self.root, create)
+
+    # -- every operation checks the chain first -----------------------------------------
+
+    def open_write(self, path: str, on_done: Any = None) -> Any:
+        self._checked(create=True)
+        self._makedirs_private(os.path.dirname(self.full_path(path)))
+        return super().open_write(path, on_done)
+
+    def _store_if_absent(self, path: str, data: bytes) -> Any:
+        self._checked(create=True)
+        return super()._store_if_absent(path, data)
+
+    def makedirs(self, path: str) -> None:
+        self._checked(create=True)
+        self._refuse_links("mkdir", path, include_last=True)
+        self._makedirs_private(self.full_path(path))
+        super().makedirs(path)
+
+    def _makedirs_private(self, full: str) -> None:
+        """Make the folders of `full` below the root, each 0700."""
+        missing = []
+        while full != self.root and not os.path.isdir(full):
+            missing.append(full)
+            full = os.path.dirname(full)
+        for folder in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder, 0o700)
+
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        self._checked()
+        return super().read_bytes(path, limit)
+
+    def open_blocks(self, path: str) -> Any:
+        self._checked()
+        return super().open_blocks(path)
+
+    def open_read(self, path: str, size: int | None = None) -> Any:
+        self._checked()
+        return super().open_read(path, size)
+
+    def open_ranges(self, path: str, ranges: Any, size: int | None = None) -> Any:
+        self._checked()
+        return super().open_ranges(path, ranges, size)
+
+    def exists(self, path: str) -> bool:
+        self._checked()
+        return super().exists(path)
+
+    def size(self, path: str) -> int:
+        self._checked()
+        return super().size(path)
+
+    def list_dir(self, path: str = "") -> list[str]:
+        self._checked()
+        return super().list_dir(path)
+
+    def walk(self, path: str = "") -> Any:
+        self._checked()
+        return super().walk(path)
+
+    def remove_file(self, path: str) -> None:
+        self._checked()
+        super().remove_file(path)
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         name = url[len("shm://"):].strip("/")
@@ -108,100 +319,7 @@ class SharedMemoryBackend(LocalBackend):
             raise StorageError(f"{url}: the shared-memory folder {base} does not exist; "
                                f"mount a tmpfs there or point ${SHM_DIR_ENV} at one")
         fs, _ = super()._open_filesystem("/", {})
-        return fs, os.path.join(base, "statereg", node_name(), name)
-
-    def check_room(self, needed: int, what: str) -> None:
-        """Refuse, with the numbers, when the shared-memory filesystem cannot hold `needed`
-        bytes (counting what this root already holds, which its retention reuses)."""
-        os.makedirs(self.root, exist_ok=True)
-        lock = self.full_path(LOCK_NAME)
-        held = used_bytes(self.root) - (os.lstat(lock).st_size if os.path.exists(lock) else 0)
-        free = free_bytes(self.root)
-        if needed > free + held:
-            others, stale = self._other_jobs(), ""
-            if others:
-                stale = (f"; other jobs' memory checkpoints on this node hold "
-                         f"{sum(others.values()):,} bytes (memory outlives a job by design; "
-                         "delete the folders of finished jobs to free it: "
-                         f"{', '.join(f'{p} {n:,}' for p, n in others.items())})")
-            raise StorageError(
-                f"{self.url} ({self.root}) is too small for {what}: it needs {needed:,} bytes, "
-                f"and {free:,} bytes are free plus {held:,} held by this job's memory "
-                f"checkpoints{stale}. Lower tiers.memory.keep_last, enlarge the tmpfs (e.g. "
-                f"`mount -o remount,size=... {shm_dir()}`), or point ${SHM_DIR_ENV} at a "
-                "larger one"
-            )
-
-    def _other_jobs(self, most: int = 5) -> dict[str, int]:
-        """The biggest job folders (`<run>/<identity>`) on this node other than this root,
-        with the bytes they hold: what a finished job left in memory."""
-        node = os.path.join(shm_dir(), "statereg", node_name())
-        sizes: dict[str, int] = {}
-        for run in os.listdir(node) if os.path.isdir(node) else []:
-            runs = os.path.join(node, run)
-            for job in os.listdir(runs) if os.path.isdir(runs) else []:
-                folder = os.path.join(runs, job)
-                if folder != self.root and not self.root.startswith(folder + os.sep):
-                    sizes[folder] = used_bytes(folder)
-        biggest = sorted(sizes.items(), key=lambda item: item[1], reverse=True)[:most]
-        return {folder: size for folder, size in biggest if size}
-
-    # -- one live job per memory root --------------------------------------------------
-
-    def hold(self) -> None:
-        """Hold this root for this process until `release()` or its exit, or refuse with the
-        holder when another live process holds it.
-
-        Two jobs saving into one memory root would each take the other's checkpoints for an
-        abandoned run's and replace them (a save of step s removes what this folder holds
-        from step s on), so the second one is refused at construction. A POSIX record lock
-        (fcntl) is dropped by the kernel when its process ends, however it ends (SIGKILL
-        included), so a restarted trainer is never locked out by its dead predecessor, and
-        it is not inherited by forked DataLoader workers that may outlive it for a moment.
-        Record locks do not conflict within one process, so the process also keeps a list
-        of the roots it holds (`_HOLDERS`): a second open manager in the same process (two
-        managers built from one declaration, a notebook cell run again while its first
-        manager is still open) is refused too, until the first is closed or collected.
-        """
-        os.makedirs(self.root, exist_ok=True)
-        if _holder(self.root) is not None:
-            gc.collect()  # a manager dropped without close() may wait in a reference cycle
-        if _holder(self.root) is not None:
-            raise StorageError(
-                f"{self.url} ({self.root}) is held by another open CheckpointManager in this "
-                "process: close() it first (or `with CheckpointManager(...)`)")
-        fd = os.open(self.full_path(LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                # A folder on a filesystem without record locks (ENOLCK): the tier works,
-                # only a second job would go unnoticed.
-                logger.warning("memory tier: cannot lock %s (%s); a second job saving into "
-                               "this folder would not be detected", self.full_path(LOCK_NAME),
-                               exc)
-                return
-            raise StorageError(
-                f"{self.url} ({self.root}) is in use by another live job on this node "
-                f"({holder}): two jobs saving into one memory tier would delete and replace "
-                "each other's checkpoints. Stop that job, or give this one its own "
-                "storage.url (and $STATEREG_RUN_ID, if set)"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
-        # A manager dropped without close() lets go of the root when it is collected.
-        self._held = weakref.finalize(self, os.close, fd)
-        _HOLDERS[self.root] = weakref.ref(self)
-
-    def release(self) -> None:
-        """Let another job use this root (closing the file drops the lock)."""
-        if self._held is not None:
-            self._held()
-            self._held = None
+        return fs, os.path.join(node_dir(), name)
 
     # -- reusing the pages of retired checkpoints ----------------------------------------
 
@@ -217,6 +335,7 @@ class SharedMemoryBackend(LocalBackend):
         the folder never holds more than one retired checkpoint, so the memory a tier holds
         stays within the keep_last + 1 checkpoints it is checked for at construction.
         """
+        self._checked()
         full = self.full_path(path)
         if not self.recycle or not path or "/" in path or path == RECYCLED:
             super().remove_tree(path)
@@ -235,7 +354,15 @@ class SharedMemoryBackend(LocalBackend):
 
     def drop_recycled(self) -> None:
         """Free the pages of the retired checkpoint waiting in `.recycled/`, if any."""
+        self._checked()
         shutil.rmtree(self.full_path(RECYCLED), ignore_errors=True)
+
+    def open_contained(self, path: str) -> int:
+        """A read-only descriptor of the regular file at `path` below the root, opened
+        without following any link (what a peer server sends); FileNotFoundError if absent,
+        CorruptCheckpointError or StorageError for a link or a special file."""
+        self._checked()
+        return self._open_contained("read", path)
 
     def _open_for_write(self, path: str, full: str) -> int:
         """With `recycle`, a file of the retired checkpoint at the same path below its step
@@ -257,4 +384,4 @@ class SharedMemoryBackend(LocalBackend):
                 except (FileNotFoundError, NotADirectoryError):
                     continue
                 return os.open(full, _OVERWRITE)
-        return super()._open_for_write(path, full)
+        return os.open(full, _CREATE, 0o600)

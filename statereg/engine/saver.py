@@ -106,7 +106,7 @@ class Saver:
              after_commit: Callable[[str], None] | None = None) -> SaveHandle:
         """Save `step`; `after_commit(name)` runs once it is committed, on every rank, where
         the commit ran (in the background for an async save: memory tiers share, retain and
-        drain there, engine/tiers.py)."""
+        drain there, statereg/tiers/engine.py)."""
         # The manifest reader's own range (MAX_EXACT_INT): past it a committed manifest
         # would be one nobody reads, so it is refused here, before anything is written.
         if not exact_int(step) or step < 0:

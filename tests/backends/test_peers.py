@@ -1,5 +1,6 @@
-"""backends/peers.py: a node's memory folder served read-only to its peers over 127.0.0.1,
-and a backend that reads what its own node lacks from them (docs/tiers.md)."""
+"""tiers/transport.py and tiers/node_memory.py: a node's memory folder served read-only to
+its peers over 127.0.0.1, and a backend that reads what its own node lacks from them
+(docs/tiers.md)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from statereg.backends.checksum import checksum_of, new_hasher
-from statereg.backends.peers import NodeMemoryBackend, PeerServer, open_peer
 from statereg.engine.verify import verify_files
 from statereg.errors import CorruptCheckpointError, StorageError
 from statereg.schemas.manifest import FileRecord
+from statereg.tiers.node_memory import NodeMemoryBackend
+from statereg.tiers.transport import PeerServer, open_peer
 
 DATA = bytes(range(256)) * 64
 

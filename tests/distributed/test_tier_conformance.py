@@ -45,6 +45,9 @@ from matrix import (
 
 import statereg
 
+# This user's folder of memory roots under the shared-memory folder (backends/shm.py).
+PRIVATE = f"statereg-{os.geteuid()}"
+
 # (world size, ranks per node, replicate)
 TOPOLOGIES = [(1, 1, False), (4, 2, True), (4, 2, False)]
 
@@ -66,7 +69,7 @@ def _forget(rank: int, shm: Path, name: str, nodes: list[int]) -> None:
     dist.barrier()
     if rank == 0:
         for node in nodes:
-            shutil.rmtree(shm / "statereg" / f"node{node}" / name)
+            shutil.rmtree(shm / PRIVATE / f"node{node}" / name)
     dist.barrier()
 
 

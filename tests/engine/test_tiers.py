@@ -25,13 +25,15 @@ import statereg
 from statereg.backends.registry import open_backend
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.engine.checkpoints import list_committed
-from statereg.engine.tiers import Nodes, identity_folder, job_identity, run_id
 from statereg.engine.verify import verify_files
 from statereg.engine.world import World, WorldLayout
 from statereg.errors import SpecError, StateregError, StorageError
+from statereg.tiers.identity import Nodes, identity_folder, job_identity, run_id
 from tests.conftest import make_store
 
 COMPONENTS = {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}}
+# This user's folder of memory roots under the shared-memory folder (backends/shm.py).
+PRIVATE = f"statereg-{os.geteuid()}"
 
 
 @pytest.fixture(autouse=True)
@@ -139,9 +141,9 @@ def test_shm_url_is_a_folder_per_node_under_the_shared_memory_dir(
         shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = open_backend("shm://run7/job")
     assert isinstance(backend, SharedMemoryBackend)
-    assert backend.root == f"{shm}/statereg/node0/run7/job"
+    assert backend.root == f"{shm}/{PRIVATE}/node0/run7/job"
     monkeypatch.setenv("STATEREG_NODE", "node1")
-    assert open_backend("shm://run7/job").root == f"{shm}/statereg/node1/run7/job"
+    assert open_backend("shm://run7/job").root == f"{shm}/{PRIVATE}/node1/run7/job"
     with pytest.raises(SpecError, match=r"'shm://run7/\.\./x': write shm://NAME"):
         open_backend("shm://run7/../x")
 
@@ -161,8 +163,9 @@ def test_shm_refusal_names_the_memory_other_jobs_left_on_the_node(
         tmp_path: Path, shm: Path) -> None:
     """Memory checkpoints outlive their job by design; when they crowd out a new job, the
     refusal says which folders hold how much, biggest first, this job's own excepted."""
-    left = {shm / "statereg/node0/run6/ws1-aaaa": 3000, shm / "statereg/node0/run5/ws2-bbbb": 7000,
-            shm / "statereg/node1/run4/ws1-cccc": 9000}  # another node's folder: not listed
+    mine = shm / PRIVATE
+    left = {mine / "node0/run6/ws1-aaaa": 3000, mine / "node0/run5/ws2-bbbb": 7000,
+            mine / "node1/run4/ws1-cccc": 9000}  # another node's folder: not listed
     for folder, size in left.items():
         folder.mkdir(parents=True)
         (folder / "f.distcp").write_bytes(b"x" * size)
@@ -172,7 +175,7 @@ def test_shm_refusal_names_the_memory_other_jobs_left_on_the_node(
     text = str(raised.value)
     assert (f"other jobs' memory checkpoints on this node hold 10,000 bytes (memory outlives a "
             f"job by design; delete the folders of finished jobs to free it: "
-            f"{shm}/statereg/node0/run5/ws2-bbbb 7,000, {shm}/statereg/node0/run6/ws1-aaaa 3,000)"
+            f"{mine}/node0/run5/ws2-bbbb 7,000, {mine}/node0/run6/ws1-aaaa 3,000)"
             ) in text
 
 
@@ -529,6 +532,7 @@ HOLDER = """
 import json, sys, time
 sys.path.insert(0, sys.argv[2])
 from tier_trainee import Trainee
+
 trainee = Trainee()
 mgr = trainee.manager(json.loads(sys.argv[1]))
 for step in (1, 2):
@@ -573,7 +577,7 @@ def test_a_folder_without_record_locks_still_works_and_says_a_second_job_goes_un
     def no_locks(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr("statereg.backends.shm.fcntl.lockf", no_locks)
+    monkeypatch.setattr("statereg.tiers.lock.lockf", no_locks)
     with caplog.at_level(logging.WARNING, logger="statereg"):
         mgr = run(tiered(str(tmp_path / "durable")), 2)
     mgr.close()

@@ -45,6 +45,9 @@ from statereg.backends.shm import SharedMemoryBackend
 from statereg.engine.checkpoints import list_committed
 from statereg.engine.verify import verify_files
 
+# This user's folder of memory roots under the shared-memory folder (backends/shm.py).
+PRIVATE = f"statereg-{os.geteuid()}"
+
 if TYPE_CHECKING:
     import pytest
 
@@ -262,7 +265,7 @@ def assert_whole(backend: Any) -> list[int]:
 
 def memory_root(env: dict[str, str], run_id: str) -> Path | None:
     """The job-identity folder of run `run_id` in memory (None before it was created)."""
-    found = list((Path(env["STATEREG_SHM_DIR"]) / "statereg" / env["STATEREG_NODE"] / run_id)
+    found = list((Path(env["STATEREG_SHM_DIR"]) / PRIVATE / env["STATEREG_NODE"] / run_id)
                  .glob("ws*"))
     assert len(found) <= 1, found
     return found[0] if found else None

@@ -35,6 +35,8 @@ from statereg.engine.verify import verify_files
 from tests.distributed.harness import run_ranks
 
 STEPS = 4
+# This user's folder of memory roots under the shared-memory folder (backends/shm.py).
+PRIVATE = f"statereg-{os.geteuid()}"
 
 
 class Cursor:
@@ -106,7 +108,7 @@ def _lose_node(rank: int, shm: Path, node: str) -> None:
     """Node `node`'s memory is gone (a reboot, a new host), seen by every rank at once."""
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(shm / "statereg" / node)
+        shutil.rmtree(shm / PRIVATE / node)
     dist.barrier()
 
 
@@ -139,26 +141,26 @@ def test_a_lost_node_restores_from_its_peer_replica_bit_identically(tmp_path: Pa
     shm.mkdir()
     run_ranks(4, replica_save, tmp_path, shm, str(durable), tmp_path)
     # Both folders hold every file of the newest step: their own and their peer's.
-    listing = {node: sorted(str(p.relative_to(shm / "statereg" / node))
-                            for p in (shm / "statereg" / node).rglob("step_00000004/*/*"))
+    listing = {node: sorted(str(p.relative_to(shm / PRIVATE / node))
+                            for p in (shm / PRIVATE / node).rglob("step_00000004/*/*"))
                for node in ("node0", "node1")}
     assert listing["node0"] == listing["node1"]
     assert any(p.endswith("/cursor/rank_00003.json") for p in listing["node0"])
     assert any(p.endswith("/cursor/rank_00000.json") for p in listing["node1"])
     assert not any(".tmp-" in p for p in listing["node1"])
     # Node 0 is lost (a new host in its place), and the job restarts: new processes.
-    shutil.rmtree(shm / "statereg" / "node0")
+    shutil.rmtree(shm / PRIVATE / "node0")
     run_ranks(4, replica_restore, tmp_path, shm, str(durable), tmp_path)
     # storage.url never received a checkpoint: the restore read nothing from it.
     assert not durable.exists() or not any(durable.glob("step_*"))
-    assert not list((shm / "statereg" / "node0").rglob("step_*"))
+    assert not list((shm / PRIVATE / "node0").rglob("step_*"))
 
 
 def peers_drill(rank: int, world: int, shm: Path, durable: str, out: Path) -> None:
     _on_node(rank, shm)
     spec = _spec(durable, replicate=False, drain_every=2)
     trained = _train_and_save(rank, spec)
-    node1 = shm / "statereg" / "node1"
+    node1 = shm / PRIVATE / "node1"
     dist.barrier()
     # Node 1 holds only what its ranks wrote (and the manifest), not rank 0's cursor or
     # rank 0's share of the model...
@@ -198,8 +200,8 @@ def refused_while_node1_is_held(rank: int, world: int, shm: Path, durable: str,
                                 holder: int) -> None:
     """Another live process holds node 1's folder: both ranks are refused at construction
     (node 1's leader by the lock, rank 0 by the agreement), and rank 0 lets go of node 0's."""
-    from statereg.backends import shm as shm_module
     from statereg.errors import StateregError
+    from statereg.tiers.lock import JobLock
 
     _on_node(rank, shm, per_node=1)
     with pytest.raises(StateregError) as refused:
@@ -207,11 +209,17 @@ def refused_while_node1_is_held(rank: int, world: int, shm: Path, durable: str,
     if rank == 1:
         assert "is in use by another live job on this node" in str(refused.value)
         assert f'"pid": {holder}' in str(refused.value)
-    assert not any(shm_module._holder(root) for root in shm_module._HOLDERS)
+    if rank == 0:  # it let go of node 0's folder: the lock is free again in this process
+        folder = next((shm / PRIVATE / "node0" / "replica-drill").glob("ws2-*"))
+        probe = JobLock(str(folder), "node 0's folder")
+        probe.acquire()
+        assert probe.held
+        probe.release()
 
 
 HOLD = """
 import fcntl, json, os, sys, time
+
 fd = os.open(sys.argv[1], os.O_RDWR)
 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 os.ftruncate(fd, 0)
@@ -228,7 +236,7 @@ def test_a_second_job_on_several_nodes_is_refused_on_every_rank_and_writes_nothi
     shm, durable = tmp_path / "shm", tmp_path / "durable"
     shm.mkdir()
     run_ranks(2, save_steps, tmp_path, shm, str(durable))
-    folders = {node: next((shm / "statereg" / node / "replica-drill").glob("ws2-*"))
+    folders = {node: next((shm / PRIVATE / node / "replica-drill").glob("ws2-*"))
                for node in ("node0", "node1")}
     before = {node: sorted(str(p) for p in folder.rglob("*")) for node, folder in folders.items()}
     with subprocess.Popen([sys.executable, "-c", HOLD, str(folders["node1"] / "job.lock")],
@@ -245,7 +253,7 @@ def test_a_second_job_on_several_nodes_is_refused_on_every_rank_and_writes_nothi
 
 @pytest.mark.parametrize("replicate", [True, False])
 def test_the_memory_math_counts_the_peer_replica(replicate: bool) -> None:
-    from statereg.engine.tiers import SMALL_FILES_BYTES, Nodes, node_bytes
+    from statereg.tiers.identity import SMALL_FILES_BYTES, Nodes, node_bytes
 
     nodes = Nodes.from_names(["a", "a", "b", "b", "c", "c"])
     per_rank = [10, 20, 30, 40, 50, 60]
@@ -263,7 +271,7 @@ KILL_STEPS = 6
 def _arm(kill_at: int, at_end: bool) -> None:
     """Die by SIGKILL in the `kill_at`-th replica copy of this process: as it starts, or
     with the whole file copied (and verified) under its temporary name (before the rename)."""
-    from statereg.backends import peers
+    from statereg.tiers import node_memory as peers
 
     real = peers.verify_stream
     calls = [0]
@@ -339,12 +347,13 @@ def _run_job(base: Path, run: str, kill_at: int | None, at_end: bool) -> list[in
 def _newest_whole(base: Path) -> int:
     """The newest step the two node folders hold whole between them, or storage.url holds."""
     from statereg.backends.registry import open_backend
-    from statereg.engine.checkpoints import list_committed
+    from statereg.engine.checkpoints import scan_root
 
-    folders = [open_backend(str(f)) for f in (base / "shm" / "statereg").glob("node*/*/ws*")]
+    folders = [open_backend(str(f)) for f in (base / "shm" / PRIVATE).glob("node*/*/ws*")]
     best = 0
     for folder in folders:
-        for committed in list_committed(folder):
+        # By manifests: a folder lacks the files the other node holds, which list() skips.
+        for committed in scan_root(folder).committed:
             held = {f.path: f.size for other in folders for f in other.walk(committed.name)}
             if all(held.get(f"{committed.name}/{r.path}") == r.size
                    for r in committed.manifest.files):

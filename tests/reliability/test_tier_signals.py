@@ -48,6 +48,9 @@ from statereg.engine.checkpoints import list_committed
 from statereg.engine.verify import verify_files
 from statereg.errors import SpecError
 
+# This user's folder of memory roots under the shared-memory folder (backends/shm.py).
+PRIVATE = f"statereg-{os.geteuid()}"
+
 GRACE_S = 10.0
 # A trainer waits for its signal in a session of its own, so it outlives a test run that is
 # interrupted before sending it: it gives up after this long rather than train forever.
@@ -426,14 +429,14 @@ def test_two_ranks_both_signalled_rank_0_flushes_and_rank_1_leaves_after_it(
     assert re.search(r"rank 1: SIGTERM: rank 0 flushed, [0-9.]+ s after the signal; exiting "
                      r"with status 143", errs[1]), errs[1]
     memory = open_backend(str(next(Path(env["STATEREG_SHM_DIR"]).glob(
-        "statereg/node0/signals/ws2-*"))))
+        f"{PRIVATE}/node0/signals/ws2-*"))))
     newest = list_committed(memory)[-1]
     assert newest.name in errs[0]
     assert newest.step in assert_durable_whole(tmp_path)
     flushed = statereg.read_manifest(str(tmp_path / "durable" / newest.name))
     assert {"rng/rank_00000.json", "rng/rank_00001.json"} <= {f.path for f in flushed.files}
     if nodes == 2:  # node1's memory holds rank 1's files and not rank 0's
-        node1 = next(Path(env["STATEREG_SHM_DIR"]).glob("statereg/node1/signals/ws2-*"))
+        node1 = next(Path(env["STATEREG_SHM_DIR"]).glob(f"{PRIVATE}/node1/signals/ws2-*"))
         assert (node1 / newest.name / "rng" / "rank_00001.json").exists()
         assert not (node1 / newest.name / "rng" / "rank_00000.json").exists()
     assert [n for n in memory.list_dir("") if n.startswith("signal-flushed-")] != []

@@ -3,7 +3,8 @@ checkpoint to storage.url within the grace period, and exit (docs/tiers.md#signa
 
     signal -> handler (main thread): note it, start the grace watchdog, stop the DataLoader's
               SIGCHLD handler from raising into the flush (its workers die with the group)
-              inside save()? -> act when that save returns (or raises)
+              inside save() (which enters `SignalGuard.saving()`)? -> act when that save
+                               returns (or raises)
               otherwise      -> act now
     act    -> the flushing rank (rank 0, or every rank without tiers): wait for the drain /
               async save in flight, copy the newest memory checkpoint to storage.url unless it
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,9 +39,9 @@ from statereg.errors import SpecError
 
 if TYPE_CHECKING:
     from statereg.engine.saver import Saver
-    from statereg.engine.tiers import TierEngine
     from statereg.engine.world import World
     from statereg.schemas.spec import RegistrySpec
+    from statereg.tiers.engine import TierEngine
 
 logger = logging.getLogger("statereg")
 
@@ -81,7 +81,6 @@ class GuardedManager(Protocol):
 
     spec: RegistrySpec
     world: World
-    save: Callable[..., Any]
 
 
 class SignalGuard:
@@ -130,15 +129,12 @@ class SignalGuard:
         guard = cls(manager, saver, tiers)
         for signum in guard.signals:
             guard._previous[signum] = signal.signal(signum, guard._handle)
-        # An attribute of this manager only, removed at uninstall: the class's save() runs.
-        manager.save = guard._around(manager.save)
         atexit.register(guard._at_exit)
         return guard
 
     def uninstall(self) -> None:
         """Give the signals back to the handlers they had before (main thread only), and
         end the watching thread unless a signal is being acted on."""
-        vars(self._manager).pop("save", None)
         atexit.unregister(self._at_exit)
         if self._received is None:
             self._signalled.set()
@@ -160,30 +156,26 @@ class SignalGuard:
 
     # -- the signal --------------------------------------------------------------------
 
-    def _around(self, save: Callable[..., Any]) -> Callable[..., Any]:
-        """save() counting itself as in flight, acting after it on a signal that came during."""
-
-        @functools.wraps(save)
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            self._saving += 1
-            try:
-                return save(*args, **kwargs)
-            except BaseException as exc:
-                if self._received is None or not self._follower:
-                    raise
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around the manager's save(): the save counts as in flight, and a signal that came
+        during it is acted on when it returns or raises (the manager enters this itself)."""
+        self._saving += 1
+        try:
+            yield
+        except BaseException as exc:
+            if self._received is not None and self._follower:
                 # Rank 0 left after its flush, under this rank's collective: not an error
                 # of the run. The watching thread exits once it has rank 0's word.
                 logger.warning("%s: a save failed after the signal (%s: %s): rank 0 has "
                                "left; waiting for its word", self._name(), type(exc).__name__,
                                exc)
                 self._watcher.join()
-                raise
-            finally:
-                self._saving -= 1
-                if self._received is not None and not self._saving and not self._follower:
-                    self._act()
-
-        return guarded
+            raise
+        finally:
+            self._saving -= 1
+            if self._received is not None and not self._saving and not self._follower:
+                self._act()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # First of all: the signal also kills the DataLoader's workers, and their SIGCHLD

@@ -2,47 +2,24 @@
 lives (docs/tiers.md, docs/cli.md).
 
 Torch-free, like the commands that print it: plan and ls answer in well under a second.
-`run_id` and `SMALL_FILES_BYTES` live here, and engine/tiers.py (which imports torch) uses
-them, so the CLI and the engine name the same memory folder and do the same math.
+The folder names and the small-files allowance come from tiers/identity.py, as the tier
+engine's do, so the CLI and the engine name the same memory folder and do the same math.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 from dataclasses import dataclass
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend
-from statereg.backends.shm import SharedMemoryBackend, free_bytes, node_name, shm_dir, used_bytes
+from statereg.backends.shm import SharedMemoryBackend, free_bytes, node_dir, shm_dir, used_bytes
 from statereg.engine.checkpoints import read_manifest_at, scan_root, step_of
 from statereg.engine.plan import RankPlan
 from statereg.engine.report import format_bytes, format_table
 from statereg.errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from statereg.schemas.spec import RegistrySpec
-
-RUN_ID_ENV = "STATEREG_RUN_ID"
-IDENTITY_NAME = "identity.json"
-# Room for what is not a tensor (manifests, JSON state, DCP metadata): the same allowance
-# the refusal at construction adds (engine/tiers.py).
-SMALL_FILES_BYTES = 16 * 1024 * 1024
-_SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
-
-
-def run_id(spec: RegistrySpec) -> str:
-    """$STATEREG_RUN_ID, else `run-` and a digest of storage.url (as engine/tiers.py)."""
-    given = os.environ.get(RUN_ID_ENV)
-    if given:
-        return _SAFE.sub("_", given)
-    return "run-" + hashlib.sha256(spec.storage.url.encode()).hexdigest()[:12]
-
-
-def run_url(spec: RegistrySpec) -> str:
-    """The run's memory root, `tiers.memory.url` with {run_id} filled in (shm://NAME)."""
-    assert spec.tiers is not None
-    return spec.tiers.memory.url.replace("{run_id}", run_id(spec))
-
+from statereg.tiers.identity import IDENTITY_NAME, SMALL_FILES_BYTES, run_url
 
 # -- the memory math (statereg plan) --------------------------------------------------------
 
@@ -116,7 +93,7 @@ def memory_math(spec: RegistrySpec, plans: list[RankPlan], nodes: int = 1,
         if nodes == 1:
             replica += " (one node: no peer to hold it; give --nodes)"
     base = shm_dir()
-    folder = os.path.join(base, "statereg", node_name(), run_url(spec)[len("shm://"):].strip("/"))
+    folder = os.path.join(node_dir(), run_url(spec)[len("shm://"):].strip("/"))
     held = used_bytes(folder)
     free = free_bytes(base) if os.path.isdir(base) else None
     return MemoryMath(memory.keep_last, state, tuple(measured), tuple(unmeasured), replica,

@@ -1,5 +1,5 @@
-"""Reading another node's memory tier: a read-only file server per node, and a backend that
-reads this node's shared memory and, for a file it lacks, the peer node that holds it.
+"""The transport between nodes' memory tiers: a read-only file server per node, and the
+client that reads another node's folder through it (tiers/node_memory.py falls back to it).
 
 A memory checkpoint of a job on several nodes lives in several node folders: each node holds
 the files its own ranks wrote and, with `tiers.memory.replicate`, a copy of its previous
@@ -38,8 +38,6 @@ from typing import Any, ClassVar, NoReturn
 from urllib.parse import quote, unquote, urlsplit
 
 from statereg.backends.base import PositionedReads, StorageBackend, StoredFile
-from statereg.backends.checksum import Recorded, verify_stream
-from statereg.backends.local import temporary_name
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.errors import StorageError
 
@@ -109,7 +107,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._refuse(HTTPStatus.FORBIDDEN)
             return
         try:
-            fd = self.server.folder._open_contained("read", path)
+            fd = self.server.folder.open_contained(path)
         except FileNotFoundError:
             self._refuse(HTTPStatus.NOT_FOUND)
             return
@@ -521,127 +519,6 @@ class _PeerReads(PositionedReads):
     def close(self) -> None:
         self._end_response()
         super().close()
-
-
-class NodeMemoryBackend(SharedMemoryBackend):
-    """This node's memory folder; a file it lacks is read from the first peer that holds it.
-
-    Writes and deletes stay on this node; reads fall back to peers. `holders` (path ->
-    its size and the peers holding it, from the nodes' inventories) spares asking each peer
-    in turn, and shows those files in `walk` as if they were here.
-    """
-
-    def __init__(self, url: str, peers: list[StorageBackend] | None = None) -> None:
-        super().__init__(url)
-        self.peers = list(peers or [])
-        self.holders: dict[str, tuple[int, list[int]]] = {}
-        # Set by the restore, alike on every rank (engine/tiers.py nearest).
-        self.broadcast_reads = False
-        self._found: dict[str, StorageBackend] = {}
-        self._lock = threading.Lock()
-
-    def _source(self, path: str) -> StorageBackend:
-        """This node if it has `path`, else a peer that has it; this node (whose read then
-        says the file is missing) if none has it. A peer that cannot be asked is passed
-        over; its StorageError is raised if no other peer has the file."""
-        if not self.peers or super().exists(path):
-            return self
-        with self._lock:
-            known = self._found.get(path)
-        if known is not None:
-            return known
-        order = self.holders.get(path, (0, []))[1]
-        order = order + [i for i in range(len(self.peers)) if i not in order]
-        unreachable: StorageError | None = None
-        for index in order:
-            peer = self.peers[index]
-            try:
-                found = peer.exists(path)
-            except StorageError as exc:
-                unreachable = unreachable or exc
-                continue
-            if found:
-                with self._lock:
-                    self._found[path] = peer
-                return peer
-        if unreachable is not None:
-            raise unreachable
-        return self
-
-    def _read_from(self, path: str) -> StorageBackend | None:
-        source = self._source(path)
-        return None if source is self else source
-
-    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
-        peer = self._read_from(path)
-        if peer is None:
-            return super().read_bytes(path, limit)
-        return peer.read_bytes(path, limit)
-
-    @contextmanager
-    def open_read(self, path: str, size: int | None = None) -> Any:
-        peer = self._read_from(path)
-        if peer is None:
-            with super().open_read(path, size) as stream:
-                yield stream
-        else:
-            with peer.open_read(path, size) as stream:
-                yield stream
-
-    @contextmanager
-    def open_ranges(self, path: str, ranges: Sequence[tuple[int, int]],
-                    size: int | None = None) -> Any:
-        peer = self._read_from(path)
-        source = super() if peer is None else peer
-        with source.open_ranges(path, ranges, size) as stream:
-            yield stream
-
-    def open_blocks(self, path: str) -> Any:
-        peer = self._read_from(path)
-        return super().open_blocks(path) if peer is None else peer.open_blocks(path)
-
-    def exists(self, path: str) -> bool:
-        return self._source(path) is not self or super().exists(path)
-
-    def size(self, path: str) -> int:
-        peer = self._read_from(path)
-        return super().size(path) if peer is None else peer.size(path)
-
-    def list_dir(self, path: str = "") -> list[str]:
-        """This node's entries under `path`, and those only peers hold (as `holders` says):
-        a layout that finds its files by listing (safetensors) finds them on a node that
-        lacks them, as `walk` does."""
-        names = set(super().list_dir(path))
-        prefix = f"{path}/" if path else ""
-        names.update(p[len(prefix):].split("/", 1)[0] for p, (_, nodes) in self.holders.items()
-                     if p.startswith(prefix) and nodes)
-        return sorted(names)
-
-    def walk(self, path: str = "") -> list[StoredFile]:
-        """This node's files under `path`, and those only peers hold (as `holders` says)."""
-        here = super().walk(path)
-        seen = {f.path for f in here}
-        prefix = f"{path}/" if path else ""
-        elsewhere = [StoredFile(p, size, None) for p, (size, nodes) in self.holders.items()
-                     if p.startswith(prefix) and p not in seen and nodes]
-        return sorted(here + elsewhere, key=lambda f: f.path)
-
-    def fetch(self, peer: StorageBackend, path: str, record: Recorded) -> None:
-        """Copy `path` from `peer` into this node's folder (a replica), checked against its
-        manifest `record` as it is copied; a reader never sees a part of it, nor a copy that
-        does not match (the peer's file rewritten under it, say by the page reuse of a
-        retired checkpoint): it is written under a temporary name and renamed when whole
-        and verified (else CorruptCheckpointError, and no replica)."""
-        if super().exists(path):
-            return
-        tmp = temporary_name(path)
-        try:
-            with peer.open_blocks(path) as source, self.open_write(tmp) as sink:
-                verify_stream(peer.display(path), record, source, sink.write)
-            os.replace(self.full_path(tmp), self.full_path(path))
-        finally:
-            with suppress(FileNotFoundError):
-                os.unlink(self.full_path(tmp))
 
 
 def open_peer(url: str) -> PeerBackend:
