@@ -347,7 +347,7 @@ def _run_job(base: Path, run: str, kill_at: int | None, at_end: bool) -> list[in
 def _newest_whole(base: Path) -> int:
     """The newest step the two node folders hold whole between them, or storage.url holds."""
     from statereg.backends.registry import open_backend
-    from statereg.engine.checkpoints import scan_root
+    from statereg.engine.checkpoints import list_committed, scan_root
 
     folders = [open_backend(str(f)) for f in (base / "shm" / PRIVATE).glob("node*/*/ws*")]
     best = 0
