@@ -637,6 +637,25 @@ class StorageModel(RuleBasedStateMachine):
         for _ in range(saves):
             self.save(mode, True, 0)
 
+    @rule(where=WHERE, saves=st.integers(1, 2))
+    def rot_a_reused_file_then_save_incremental(self, where: float, saves: int) -> None:
+        """Bit rot in a file the newest checkpoint references rather than wrote (a frozen
+        base, written once): the incremental saves that follow reuse that file's tensors
+        by their recorded digests, and must not build on the rotten copy."""
+        self.note("rot_a_reused_file_then_save_incremental", locals())
+        step = self.pick_listed(-1)
+        if step is not None:
+            own = f"{checkpoint_name(step)}/"
+            deps = sorted(self.ckpts[step].deps)
+            reused = [p for p in deps if not p.startswith(own) and p.endswith(".distcp")]
+            path = (reused or [p for p in deps if p.endswith(".distcp")] or deps)[0]
+            if self.root.exists(path):
+                self.root.flip(path, where)
+                self.damage[path] = ("flip", self.tick())
+                self.settle(self.listed)
+        for _ in range(saves):
+            self.save("incremental", True, 0)
+
     @rule(pick=PICK, which=st.sampled_from(["manifest.json", "manifest.sum"]),
           how=st.sampled_from(["link", "fifo", "garbage"]), to=PICK)
     def damage_a_manifest(self, pick: int, which: str, how: str, to: int) -> None:
