@@ -66,7 +66,7 @@ from statereg.engine.gc import collect_garbage, find_leftovers
 STEPS = int(os.environ.get("STATEREG_MODEL_STEPS", "20"))
 SEED = os.environ.get("STATEREG_MODEL_SEED")
 # Sequences per store in CI; STATEREG_MODEL_EXAMPLES sets every store's count.
-CI_EXAMPLES = {"local": 8, "s3": 1, "no-conditional-s3": 1}
+CI_EXAMPLES = {"local": 12, "s3": 1, "no-conditional-s3": 1}
 
 
 class Violation(AssertionError):
