@@ -48,35 +48,37 @@ def losses(path: Path) -> dict[int, str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Each step's loss of the uninterrupted fit, per process count (run once each)."""
-    runs: dict[int, dict[int, str]] = {}
+    """Each step's loss of the uninterrupted fit, per strategy (run once each)."""
+    runs: dict[tuple[str, ...], dict[int, str]] = {}
 
-    def losses_of(devices: int) -> dict[int, str]:
-        if devices not in runs:
-            where = tmp_path_factory.mktemp(f"uninterrupted-{devices}")
-            fit(where, "--root", "full", "--losses", "full.txt", "--devices", str(devices))
-            runs[devices] = losses(where / "full.txt")
-            assert sorted(runs[devices]) == list(range(1, 80 // devices + 1))
-        return runs[devices]
+    def losses_of(devices: int, *flags: str) -> dict[int, str]:
+        key = (str(devices), *flags)
+        if key not in runs:
+            where = tmp_path_factory.mktemp("uninterrupted")
+            fit(where, "--root", "full", "--losses", "full.txt", "--devices", *key)
+            runs[key] = losses(where / "full.txt")
+            assert sorted(runs[key]) == list(range(1, 80 // devices + 1))
+        return runs[key]
 
     return losses_of
 
 
-# (processes, save every N steps, SIGKILL after step K): 40 batches of 8 an epoch (10 a
-# rank at 4 ranks), 2 epochs; the resume starts after the last save before K.
-CASES = {
-    "1-process-mid-epoch": (1, 5, 13),        # resumes at 11, in epoch 0
-    "1-process-epoch-end": (1, 20, 43),       # resumes at 41, saved after epoch 0's last batch
-    "ddp-4-ranks-mid-epoch": (4, 3, 13),      # resumes at 13, in epoch 1
+# (processes, flags, save every N steps, SIGKILL after step K): 40 batches of 8 an epoch (20 a
+# rank at 2 ranks, 10 at 4), 2 epochs; the resume starts after the last save before K.
+CASES: dict[str, tuple[int, tuple[str, ...], int, int]] = {
+    "1-process-mid-epoch": (1, (), 5, 13),        # resumes at 11, in epoch 0
+    "1-process-epoch-end": (1, (), 20, 43),       # resumes at 41, saved after epoch 0's end
+    "ddp-4-ranks-mid-epoch": (4, (), 3, 13),      # resumes at 13, in epoch 1
+    "fsdp2-2-ranks-mid-epoch": (2, ("--fsdp",), 4, 13),  # resumes at 13, in epoch 0
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_fit_killed_mid_run_resumes_bit_identical(tmp_path: Path, uninterrupted: Any,
                                                     case: str) -> None:
-    devices, every, kill = CASES[case]
-    common = ["--devices", str(devices), "--every", str(every)]
-    full = uninterrupted(devices)
+    devices, flags, every, kill = CASES[case]
+    common = ["--devices", str(devices), *flags, "--every", str(every)]
+    full = uninterrupted(devices, *flags)
     fit(tmp_path, "--root", "run", "--losses", "killed.txt", "--kill-at", str(kill), *common,
         killed=True)
     fit(tmp_path, "--root", "run", "--losses", "resumed.txt", *common)
