@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import Any
 
 from statereg.backends.base import StorageBackend
-from statereg.backends.registry import open_backend
+from statereg.backends.registry import open_backend, url_scheme
 from statereg.declaration import load_spec
 from statereg.engine.cadence import Cadence, CadenceReport
 from statereg.engine.checkpoints import (
@@ -74,6 +74,18 @@ def _lint(spec: RegistrySpec, adapters: dict[str, Any], rank: int) -> None:
                 "(BatchNorm's running statistics in train mode), a resume is not exact: keep "
                 "those layers in eval mode, or declare trainable_only: false",
                 name, len(left_out), ", ".join(left_out[:3]), more)
+
+
+def _same_store(url: str, own: str) -> bool:
+    """Whether `url` is on the run's own store: the same scheme and, for a remote one, the
+    same bucket or container, so the same endpoint and credentials apply. Another bucket
+    may be another account's or another endpoint's: it never gets the run's options."""
+    scheme = url_scheme(url)
+    if scheme != url_scheme(own):
+        return False
+    if scheme in ("", "file", "memory", "shm"):
+        return True
+    return url.partition("://")[2].split("/", 1)[0] == own.partition("://")[2].split("/", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -235,17 +247,19 @@ class CheckpointManager:
 
     def _backend_for(self, root: str, options: dict[str, Any] | None = None,
                      ) -> StorageBackend:
-        """The store of a checkpoint URL's `root`: this run's own backend (its
-        storage.options) for a URL under storage.url; any other root opens with `options`
-        (load(storage_options=...)), else with none (the environment's defaults). The run's
-        storage.options are never sent to another root: they may be another bucket's, another
-        endpoint's, or credentials meant for this store only."""
+        """The store of a checkpoint URL's `root`: this run's own backend for a URL under
+        storage.url; another root opens with `options` (load(storage_options=...)), else
+        with the run's storage.options if it is on the run's own store (same scheme and
+        bucket), else with none (the environment's defaults). The run's storage.options are
+        never sent to another store: they may be another account's, another endpoint's, or
+        credentials meant for this store only."""
         read_cache = self.spec.storage.read_cache
         if options is not None:
             return open_backend(root, options, read_cache)
         if root.rstrip("/") == self._backend.url.rstrip("/"):  # as list() names them
             return self._backend
-        candidate = open_backend(root, {}, read_cache)
+        candidate = open_backend(root, self.spec.storage.options
+                                 if _same_store(root, self._backend.url) else {}, read_cache)
         if (type(candidate), candidate.root) == (type(self._backend), self._backend.root):
             return self._backend
         return candidate
@@ -267,10 +281,11 @@ class CheckpointManager:
         try:
             manifest = self.world.from_leader(read_manifest_at, backend, name)
         except StorageError as exc:
-            if backend is self._backend or options is not None:
+            if (backend is self._backend or options is not None
+                    or _same_store(root, self._backend.url)):
                 raise
             raise StorageError(
-                f"{exc}. {root} is outside this run's root ({self._backend.url}), so the "
+                f"{exc}. {root} is not on this run's store ({self._backend.url}), so the "
                 "run's storage.options were not used for it: pass its own with "
                 "mgr.load(url, storage_options={...})"
             ) from exc

@@ -104,7 +104,8 @@ def test_a_pickled_object_in_a_torch_file_is_refused_on_load(tmp_path: Path):
 
     target = Cursor(0)
     with pytest.raises(statereg.CorruptCheckpointError, match="weights-only"):
-        statereg.CheckpointManager(spec, cursor=target).load(verify="off")
+        # By step: a resume skips a checkpoint whose file has another size than recorded.
+        statereg.CheckpointManager(spec, cursor=target).load(step=1, verify="off")
     assert target.position == 0
 
 
