@@ -110,7 +110,12 @@ def test_latest_and_list_name_the_committed_checkpoints_oldest_first(store, comp
     assert reader.load(urls[0]).step == 1
 
 
-def test_keep_last_deletes_older_checkpoints_from_the_store(store):
+def test_keep_last_deletes_older_checkpoints_from_the_store(store, compression):
+    if store.kind == "gcs" and compression == "zstd":
+        # A compressed model file ends in b"\r", which the emulator drops on upload
+        # (tests/reliability/test_roundtrip.py shows it); retention then rightly counts that
+        # checkpoint as damaged by its size. Real GCS keeps the byte.
+        pytest.skip("gcp-storage-emulator drops an upload's trailing \\r byte")
     run = TinyRun(seed=0)
     mgr = manager(store, run, keep_last=2)
     for step in (1, 2, 3, 4):
