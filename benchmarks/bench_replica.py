@@ -96,7 +96,7 @@ def _rank(rank: int, args: argparse.Namespace, init: str, shm: str, durable: str
         if label == "peer replica":
             dist.barrier()
             if rank == 0:
-                shutil.rmtree(Path(shm) / "statereg" / "node0")
+                shutil.rmtree(Path(shm) / f"statereg-{os.geteuid()}" / "node0")
             dist.barrier()
         for _ in range(args.reps):
             with statereg.CheckpointManager(_spec(durable, tiers=True), model=model,

@@ -291,7 +291,7 @@ class Bench:
 
     def forget_memory(self, run: str) -> None:
         """Free the tmpfs a finished section's run holds (the next sections need it)."""
-        shutil.rmtree(self.shm / "statereg" / node_name() / run)
+        shutil.rmtree(self.shm / f"statereg-{os.geteuid()}" / node_name() / run)
 
     # -- drain -----------------------------------------------------------------------------
 

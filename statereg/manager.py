@@ -19,6 +19,7 @@ from statereg.engine.checkpoints import (
     latest_committed,
     list_committed,
     read_manifest_at,
+    scan_root,
     step_of,
 )
 from statereg.engine.inspect import split_checkpoint_url
@@ -416,6 +417,10 @@ class CheckpointManager:
                                backend.display(older.name))
                 committed = older
             except StateregError as exc:
+                if not passed and (path is None and step is None):
+                    # The listing may have passed over damaged newer checkpoints already (a
+                    # file missing or of another size): the caller needs their damage first.
+                    passed = self.world.from_leader(self._damage_above, committed.name)
                 if not passed:
                     raise
                 # An older checkpoint we fell back to cannot be used (e.g. it lacks a
@@ -446,6 +451,16 @@ class CheckpointManager:
         source = _DeferredLoad(backend, committed, strict, verify)
         self._deferred.update(dict.fromkeys(result.deferred, source))
         return result
+
+    def _damage_above(self, name: str) -> list[tuple[str, StateregError]]:
+        """The damaged checkpoints of higher steps than `name` that a resume passed over,
+        newest first, each with its damage (run by rank 0 alone)."""
+        limit = step_of(name) or 0
+        scan = scan_root(self._backend, check_files=True)
+        found: dict[str, StateregError] = {**scan.damaged}
+        found.update((n, e) for n, e in scan.unreadable.items() if isinstance(e, StateregError))
+        newer = [n for n in found if (step_of(n) or 0) > limit]
+        return [(n, found[n]) for n in sorted(newer, key=step_of, reverse=True)]
 
     def _older_intact(self, damaged: Committed) -> Committed | None:
         """The newest committed checkpoint below `damaged`'s step (rank 0 lists and reads its
