@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from statereg.declaration import _read_yaml
+from statereg.declaration import read_declaration
 from statereg.errors import SpecError
 from statereg.schemas.spec import RegistrySpec
 
@@ -25,12 +24,7 @@ def declaration_dict(source: SpecSource | None, default_label: str) -> tuple[dic
         return source.model_dump(by_alias=True, exclude_defaults=True), "<RegistrySpec>"
     if isinstance(source, Mapping):
         return json.loads(json.dumps(dict(source))), "<dict>"
-    data = _read_yaml(Path(source))
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: the declaration must be a mapping (storage, save, ...)")
-    return data, os.fspath(source)
+    return read_declaration(source), os.fspath(source)
 
 
 def section(data: dict[str, Any], key: str, label: str) -> dict[str, Any]:
