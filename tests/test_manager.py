@@ -364,6 +364,9 @@ def test_a_load_outside_the_runs_root_takes_its_own_storage_options_never_the_ru
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto["client_kwargs"]["endpoint_url"])
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", moto["key"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", moto["secret"])
+    import s3fs  # a filesystem made before the variables were set would be reused
+
+    s3fs.S3FileSystem.clear_instance_cache()
     fresh = make_model(5)
     mgr = statereg.CheckpointManager(model_spec(seaweed_url, seaweed), model=fresh)
     assert mgr.load(url).step == 7

@@ -518,10 +518,13 @@ class TitanCheckpointManager:
                                 "true") from None
             self._initial_plain_dcp(path, options)
             return True
+        # The run's storage options go to the initial load only on the same kind of store
+        # (`options` above), and then explicitly: another bucket is another store.
         if model_only:
-            self.mgr.load(path, include=[MODEL])
+            self.mgr.load(path, include=[MODEL], storage_options=options)
         else:
-            self.mgr.load(path, exclude=list(self.config.exclude_from_loading))
+            self.mgr.load(path, exclude=list(self.config.exclude_from_loading),
+                          storage_options=options)
         return True
 
     def _initial_plain_dcp(self, path: str, options: dict[str, Any] | None) -> None:
@@ -531,7 +534,7 @@ class TitanCheckpointManager:
         keys load from there and every one of them must be present."""
         assert self.mgr is not None
         try:
-            self.mgr.load(path, include=[MODEL])
+            self.mgr.load(path, include=[MODEL], storage_options=options)
             return
         except CheckpointMismatchError as exc:
             if "has no tensors under" not in str(exc):

@@ -87,7 +87,10 @@ def test_a_fit_killed_mid_run_resumes_bit_identical(tmp_path: Path, uninterrupte
     assert sorted(resumed) == list(range(first, 80 // devices + 1))
     differ = [step for step in resumed if resumed[step] != full[step]]
     assert differ == [], f"{len(differ)} of {len(resumed)} resumed losses differ: {differ}"
-    assert losses(tmp_path / "killed.txt") == {s: full[s] for s in range(1, kill + 1)}
+    # The killed run lost nothing it logged before the kill (under DDP another rank may
+    # reach step K and kill them all before rank 0 logs it).
+    killed = losses(tmp_path / "killed.txt")
+    assert killed == {s: full[s] for s in killed} and max(killed) >= first - 1
 
 
 def test_a_fit_saves_to_s3_by_changing_only_the_url_and_a_finetune_loads_the_model(

@@ -263,11 +263,9 @@ def test_load_step_that_was_never_saved_names_the_saved_steps(fsdp_runs: Path) -
         ckpt.load()
 
 
+@pytest.mark.parametrize("store", ["s3"], indirect=True)
 def test_s3_by_changing_only_the_folder_and_a_model_only_load_through_it(
-        request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    from conftest import make_store
-
-    store = make_store("s3", request, tmp_path)
+        store: Any, tmp_path: Path) -> None:
     config = {"interval": 2, "keep_latest_k": 1, "async_mode": "async"}
     ref = train(0, 1, {**config, "folder": str(tmp_path / "local")}, steps=4)
     on_s3 = {**config, "folder": store.url}
