@@ -33,8 +33,13 @@ A save after the last batch of an epoch resumes at the next epoch's start: the l
 restored (it would be at its end), and its iterator is made again after the RNG is restored,
 drawing what an uninterrupted run draws there.
 
-Lightning's private name used: `trainer.fit_loop._data_fetcher` (iterated again after the
-loader's position is restored). Tested with lightning 2.6.
+Under DDP, Lightning wraps a shuffling loader's own sampler in a DistributedSamplerWrapper;
+that sampler's generator is saved too (at the epoch's start and at the save), since the
+loader's state does not reach it.
+
+Lightning's private names used: `trainer.fit_loop._data_fetcher` (iterated again after the
+loader's position is restored), and the wrapper's `_DatasetSamplerWrapper` (`_sampler`,
+`reset`). Tested with lightning 2.6.
 """
 
 from __future__ import annotations
