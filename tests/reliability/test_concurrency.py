@@ -435,9 +435,13 @@ def test_a_saver_overtaken_between_its_claim_check_and_its_manifest_is_not_told_
     monkeypatch.setattr(backend_class, "create_bytes", create_in_order)
     outcomes: dict[str, Any] = {}
 
+    # Built before the threads start: training seeds torch's global generator, which two
+    # threads building their states at once would share.
+    states = {1: TinyState.trained(1), 2: TinyState.trained(2)}
+
     def save(name: str, seed: int) -> None:
         try:
-            statereg.CheckpointManager(decl, **TinyState.trained(seed).objects()).save(
+            statereg.CheckpointManager(decl, **states[seed].objects()).save(
                 step=3, extra={"seed": seed})
             outcomes[name] = "committed"
         except BaseException as exc:
