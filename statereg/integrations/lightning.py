@@ -245,8 +245,9 @@ class StateregCheckpoint(pl.Callback):
             save["every_seconds"] = (train_time_interval.total_seconds()
                                      if isinstance(train_time_interval, timedelta)
                                      else float(train_time_interval))
-        cadence = any(save.get(k) for k in ("every_steps", "every_seconds", "every"))
-        self.every_n_epochs = every_n_epochs if every_n_epochs or cadence else 1
+        # Whether should_save() has a cadence to answer by (checked after each batch).
+        self._by_step = any(save.get(k) for k in ("every_steps", "every_seconds", "every"))
+        self.every_n_epochs = every_n_epochs if every_n_epochs or self._by_step else 1
         if monitor is not None:
             save["keep_best"] = {"metric": monitor, "mode": mode, "count": save_top_k}
         self.monitor = monitor
@@ -376,7 +377,7 @@ class StateregCheckpoint(pl.Callback):
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         assert self.mgr is not None
         step = trainer.global_step
-        if step != self._saved_step and self._has_step_cadence() and self.mgr.should_save(step):
+        if step != self._saved_step and self._by_step and self.mgr.should_save(step):
             self._save(trainer)
         self._log_saved(trainer)
 
@@ -396,10 +397,6 @@ class StateregCheckpoint(pl.Callback):
         if self.mgr is not None:
             self.mgr.close()
             self.mgr = None
-
-    def _has_step_cadence(self) -> bool:
-        save = self._declared.get("save", {})
-        return any(save.get(k) for k in ("every_steps", "every_seconds", "every"))
 
     def _save(self, trainer: pl.Trainer) -> None:
         assert self.mgr is not None

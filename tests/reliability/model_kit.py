@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from crash_driver import _clone
 from torch import nn
 
 import statereg
@@ -74,16 +75,6 @@ class Live:
         return {"model": _clone(self.model.state_dict()),
                 "optimizer": _clone(self.optimizer.state_dict()),
                 "scheduler": _clone(self.scheduler.state_dict())}
-
-
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    return value
 
 
 def declaration(url: str, options: dict[str, Any], mode: str = "plain",
