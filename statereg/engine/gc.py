@@ -117,7 +117,9 @@ def _directory(backend: StorageBackend, name: str, grace_s: float, now: float,
     # What a retention left (its marker): its own, whatever the age of the files.
     retired = any(f.path == f"{name}/{RETIRED_NAME}" for f in files)
     action = "delete" if retired else _decide(age, grace_s)
-    referenced = sum(1 for f in files if f.path in needed)
+    # By path, present or not: a reference to a file of it that is gone still names it (the
+    # checkpoint that reads it is damaged, not freed), and a saver's claim refuses it too.
+    referenced = sum(1 for path in needed if path.startswith(f"{name}/"))
     if referenced:
         action = (f"keep: {referenced} of its files are referenced by committed incremental "
                   "checkpoints (or a running incremental save); retention removes the rest")

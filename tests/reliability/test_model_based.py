@@ -924,6 +924,17 @@ def test_regression_gc_keeps_the_base_a_running_incremental_save_named(tmp_path,
            other={"keep_last": 1})
 
 
+def test_regression_gc_dry_run_and_delete_agree_on_a_base_whose_referenced_file_is_gone(
+        tmp_path, quiet):
+    # Step 2 references step 1's base, which retention uncommitted (its marker and the
+    # referenced file stay); that file is deleted. The dry run called the directory
+    # deletable (no file present is referenced), `--delete` kept it (a reference still
+    # points into it) and exited 0 (seed 101, 100 sequences).
+    replay(tmp_path, {"keep_last": 1}, SAVE_INCREMENTAL, SAVE_INCREMENTAL,
+           ("damage_a_file", {"pick": 0, "file": 0, "how": "delete", "where": 0.0}),
+           ("gc", {"delete": True, "via_cli": True}))
+
+
 @pytest.mark.parametrize("how", ["link", "fifo"])
 def test_regression_gc_delete_removes_a_planted_claim_or_fails(tmp_path, quiet, how):
     replay(tmp_path, {"keep_last": 1}, ("plant_a_claim", {"how": how, "ahead": 0}),
