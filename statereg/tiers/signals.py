@@ -1,11 +1,17 @@
 """On a declared signal (`on_signal`): finish the save in flight, flush the newest memory
 checkpoint to storage.url within the grace period, and exit (docs/tiers.md#signals).
 
-    signal -> handler (main thread): note it, start the grace watchdog, stop the DataLoader's
-              SIGCHLD handler from raising into the flush (its workers die with the group)
+    signal -> delivered: the C-level handler writes its number into the wakeup pipe
+              (`signal.set_wakeup_fd`), which the watching thread reads at once: the grace
+              period starts now, even while the main thread waits in a collective or other
+              C call (where Python runs no handler until it returns)
               inside save() (which enters `SignalGuard.saving()`)? -> act when that save
                                returns (or raises)
-              otherwise      -> act now
+              otherwise      -> act now, from a thread the watcher starts (the main thread
+                               may be stuck in a collective for a straggler)
+           -> handler (main thread, whenever it runs): stop the DataLoader's SIGCHLD handler
+              from raising into the flush (its workers die with the group); act if no one
+              acts yet and no save is in flight, else wait for the exit
     act    -> the flushing rank (rank 0, or every rank without tiers): wait for the drain /
               async save in flight, copy the newest memory checkpoint to storage.url unless it
               is there, log one line, tell the other ranks, exit with status 128 + signum
@@ -26,6 +32,7 @@ import atexit
 import contextlib
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -50,6 +57,23 @@ logger = logging.getLogger("statereg")
 FLUSHED_PREFIX = "signal-flushed-"
 _POLL_S = 0.02
 _WORD_LINGER_S = 0.5  # rank 0 serves its word this long on several nodes (25 polls)
+# The write ends of the wakeup pipes of this process's guards: a child forked from the main
+# thread (a DataLoader worker) must not write its own signals into its parent's pipe.
+_WAKE_FDS: set[int] = set()
+
+
+def _after_fork_in_child() -> None:
+    try:
+        current = signal.set_wakeup_fd(-1)
+    except ValueError:  # forked from another thread than the main one: cannot be changed
+        return
+    if current not in _WAKE_FDS:
+        signal.set_wakeup_fd(current)  # not a guard's: the child keeps it
+    _WAKE_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def exit_status(signum: int) -> int:
@@ -105,12 +129,24 @@ class SignalGuard:
             if self.rank == 0:
                 self._clear_old_words(tiers)
         self._saving = 0
+        self._acting = False  # someone flushes now (the main thread or the flushing thread)
         self._received: int | None = None
         self._since = 0.0
+        # Guards _saving, _acting, _received and _since between the main thread's handler
+        # and save(), and the watching thread.
+        self._lock = threading.Lock()
         self._previous: dict[signal.Signals, Any] = {}
+        self._previous_wakeup: int | None = None  # set while this guard's pipe is the fd
+        self._handled = False  # the main thread's handler ran (it acts on the first only)
+        self._pid = os.getpid()
+        # Signal numbers arrive here as they are delivered (set_wakeup_fd, in install());
+        # a byte on the stop pipe ends the watching thread.
+        self._wake_r, self._wake_w = os.pipe()
+        self._stop_r, self._stop_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w, self._stop_w):
+            os.set_blocking(fd, False)
         # Started now, not in the handler: a handler may run inside Thread.start() or a
         # lock the main thread holds, where starting a thread can fail or deadlock.
-        self._signalled = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="statereg-signal",
                                          daemon=True)
         self._watcher.start()
@@ -129,6 +165,11 @@ class SignalGuard:
         guard = cls(manager, saver, tiers)
         for signum in guard.signals:
             guard._previous[signum] = signal.signal(signum, guard._handle)
+        # Also wakes for signals with other Python handlers: the watcher passes those bytes
+        # on to the wakeup fd that was set before (an event loop's), if any.
+        guard._previous_wakeup = signal.set_wakeup_fd(guard._wake_w,
+                                                      warn_on_full_buffer=False)
+        _WAKE_FDS.add(guard._wake_w)
         atexit.register(guard._at_exit)
         return guard
 
@@ -137,13 +178,25 @@ class SignalGuard:
         end the watching thread unless a signal is being acted on."""
         atexit.unregister(self._at_exit)
         if self._received is None:
-            self._signalled.set()
+            with contextlib.suppress(OSError):  # already stopped
+                os.write(self._stop_w, b"x")
         if threading.current_thread() is not threading.main_thread():
-            return
+            return  # the pipe stays the wakeup fd (its bytes are read and dropped)
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, previous)
         self._previous.clear()
+        if self._previous_wakeup is None:
+            return  # given back already
+        current = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(self._previous_wakeup if current == self._wake_w else current)
+        self._previous_wakeup = None
+        _WAKE_FDS.discard(self._wake_w)
+        if self._received is None:
+            self._watcher.join(5.0)
+            if not self._watcher.is_alive():
+                for fd in (self._wake_r, self._wake_w, self._stop_r, self._stop_w):
+                    os.close(fd)
 
     def _clear_old_words(self, tiers: TierEngine) -> None:
         """Remove the flush notes of earlier runs of this job (one small file each)."""
@@ -160,7 +213,12 @@ class SignalGuard:
     def saving(self) -> Iterator[None]:
         """Around the manager's save(): the save counts as in flight, and a signal that came
         during it is acted on when it returns or raises (the manager enters this itself)."""
-        self._saving += 1
+        with self._lock:
+            flushing = self._acting
+            if not flushing:
+                self._saving += 1
+        if flushing:  # a signal came and the flush runs: the process exits when it is over
+            self._watcher.join()
         try:
             yield
         except BaseException as exc:
@@ -173,28 +231,54 @@ class SignalGuard:
                 self._watcher.join()
             raise
         finally:
-            self._saving -= 1
-            if self._received is not None and not self._saving and not self._follower:
+            with self._lock:
+                self._saving -= 1
+                act = self._received is not None and not self._follower and self._claim()
+            if act:
                 self._act()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # First of all: the signal also kills the DataLoader's workers, and their SIGCHLD
         # can run the DataLoader's handler, which raises, inside this one (seen in the drill:
         # the trainer then died with that error). Once SIG_DFL, a pending one never runs.
+        if os.getpid() != self._pid:  # a forked child (a DataLoader worker): not the trainer
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         try:
             _quiet_sigchld()
         except RuntimeError:  # it ran just now, in here: the workers are gone, as expected
             _quiet_sigchld()
-        if self._received is not None:
-            return  # already acting on a signal: a repeated one changes nothing
-        self._received, self._since = signum, time.monotonic()
-        self._signalled.set()
+        if self._handled:
+            return  # a repeated signal changes nothing
+        self._handled = True
+        self._delivered(signum)  # if its byte did not reach the watcher (another wakeup fd)
         if self._follower:
             return  # the watching thread exits once rank 0 has flushed
-        if self._saving:
-            logger.warning("%s: finishing the save in flight first", self._name())
-        else:
+        with self._lock:
+            saving, act = self._saving, self._claim()
+        if act:
             self._act()
+        elif saving:
+            logger.warning("%s: finishing the save in flight first", self._name())
+        else:  # the flushing thread acts: wait here for the exit (no more training steps)
+            self._watcher.join()
+
+    def _claim(self) -> bool:
+        """Under the lock: whether the caller is the one to act now (a signal came, no save
+        is in flight, and no one acts yet)."""
+        if self._received is None or self._saving or self._acting:
+            return False
+        self._acting = True
+        return True
+
+    def _delivered(self, signum: int) -> None:
+        """Note the first declared signal and when it came; later ones change nothing."""
+        with self._lock:
+            if self._received is None:
+                self._received, self._since = signum, time.monotonic()
+        with contextlib.suppress(OSError):  # wake the watcher (a full pipe is awake anyway)
+            os.write(self._wake_w, bytes([signum]))
 
     def _name(self) -> str:
         assert self._received is not None
@@ -205,11 +289,29 @@ class SignalGuard:
         return exit_status(self._received)
 
     def _watch(self) -> None:
-        """After a signal: on a rank other than 0 (tiers), exit once rank 0 has flushed;
-        on every rank, exit when the grace period is over, whatever the main thread does."""
-        self._signalled.wait()
-        if self._received is None:
-            return  # uninstalled: no signal came
+        """Wait for a declared signal's delivery; then act unless the main thread does or a
+        save is in flight; on a rank other than 0 (tiers), exit once rank 0 has flushed; on
+        every rank, exit when the grace period is over, whatever the main thread does."""
+        declared = {int(s) for s in self.signals}
+        while self._received is None:
+            ready, _, _ = select.select([self._wake_r, self._stop_r], [], [])
+            if self._wake_r in ready:
+                data = os.read(self._wake_r, 512)
+                previous = self._previous_wakeup
+                if previous is not None and previous >= 0:  # set before ours (an event loop)
+                    with contextlib.suppress(OSError):
+                        os.write(previous, data)
+                for signum in data:
+                    if signum in declared:
+                        self._delivered(signum)
+            if self._received is None and self._stop_r in ready:
+                return  # uninstalled: no signal came
+        if not self._follower:
+            with self._lock:
+                act = self._claim()
+            if act:  # from a thread of its own: this one keeps the deadline
+                threading.Thread(target=self._act, name="statereg-signal-flush",
+                                 daemon=True).start()
         deadline = self._since + self.grace_s
         while time.monotonic() < deadline:
             if self._follower and self._rank_zero_flushed():

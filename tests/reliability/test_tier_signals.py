@@ -12,9 +12,11 @@ ends it. MODE:
 - no_tiers: no tiers, `save.async: thread`; holds step 3's background write (ROOT/reached)
   and stops saving;
 - slow_drain: grace_s 1; holds the drain of step 8 for a minute (ROOT/reached).
-`train_rank(ROOT, RANK)`, forked the same way, is one of two ranks of a gloo job (no
+`train_rank(MODE, ROOT, RANK)`, forked the same way, is one of two ranks of a gloo job (no
 DataLoader workers, stderr in ROOT/stderr-RANK); rank 0 writes ROOT/started once the first
-memory checkpoint is committed.
+memory checkpoint is committed. MODE "straggler": after each save the ranks meet in an
+all_reduce (as DDP's gradient buckets do), and after step 3's save rank 1 writes
+ROOT/straggling and sleeps for STRAGGLE_S before it: rank 0 waits in that collective.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ GRACE_S = 10.0
 # interrupted before sending it: it gives up after this long rather than train forever.
 ORPHAN_S = 180.0
 RUNS = 20
+STRAGGLE_S = 40.0
 SEED = int(os.environ.get("STATEREG_SIGNAL_DRILL_SEED", "1616"))
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -67,9 +70,9 @@ def spec(root: Path, mode: str = "drill") -> dict[str, Any]:
         "tiers": {"memory": {"every": 2, "keep_last": 2},
                   "durable": {"every": 8, "keep_last": 2}},
         "on_signal": {"signals": ["SIGTERM", "SIGUSR1"],
-                      "grace_s": 1.0 if mode == "slow_drain" else GRACE_S},
+                      "grace_s": {"slow_drain": 1.0, "straggler": 5.0}.get(mode, GRACE_S)},
     }
-    if mode == "rank":  # per-rank files: on two nodes, rank 1's live on the other node
+    if mode in ("rank", "straggler"):  # per-rank files: on two nodes, rank 1's are elsewhere
         declared["components"]["rng"] = {"kind": "rng"}
     if mode == "no_tiers":
         del declared["tiers"]
@@ -155,20 +158,25 @@ def child(mode: str, root: Path, env: dict[str, str], rank: int | None = None) -
     if rank is None:
         train(mode, root)
     else:
-        train_rank(root, rank)
+        train_rank(mode, root, rank)
 
 
-def train_rank(root: Path, rank: int) -> None:
+def train_rank(mode: str, root: Path, rank: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root / 'pg-init'}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=60))
+                            world_size=2, timeout=timedelta(seconds=120))
     trainee = Trainee()
-    mgr = statereg.CheckpointManager(spec(root, "rank"), model=trainee.model,
+    mgr = statereg.CheckpointManager(spec(root, mode), model=trainee.model,
                                      optimizer=trainee.optimizer)
     for step, batch in enumerate(batches(workers=0), start=1):
         trainee.train_on(batch)
         mgr.save(step)
         if step == 2 and rank == 0:
             announce(root / "started", "step 2")
+        if mode == "straggler":
+            if step == 3 and rank == 1:
+                announce(root / "straggling", "step 3")
+                time.sleep(STRAGGLE_S)
+            dist.all_reduce(torch.ones(1))
 
 
 def trained(steps: int) -> dict[str, torch.Tensor]:
@@ -338,27 +346,43 @@ def test_a_flush_longer_than_the_grace_period_exits_at_its_end_leaving_no_partia
     assert 8 not in assert_durable_whole(tmp_path)
 
 
+def current_wakeup_fd() -> int:
+    current = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(current)
+    return current
+
+
 def test_handlers_are_installed_for_the_manager_and_given_back_at_close(
         tmp_path: Path, env: dict[str, str]) -> None:
     def before(signum: int, frame: Any) -> None:
         raise AssertionError("not called while the manager is open")
 
     previous = signal.signal(signal.SIGUSR1, before)
+    # The wakeup fd an event loop may have set: the manager's pipe replaces it while it is
+    # open (passing other signals' bytes on to it) and gives it back at close.
+    loop_r, loop_w = os.pipe()
+    os.set_blocking(loop_w, False)
+    previous_fd = signal.set_wakeup_fd(loop_w)
     try:
         trainee = Trainee()
         mgr = statereg.CheckpointManager(spec(tmp_path), model=trainee.model,
                                          optimizer=trainee.optimizer)
         assert signal.getsignal(signal.SIGUSR1) == mgr._signals._handle
         assert signal.getsignal(signal.SIGTERM) == mgr._signals._handle
+        assert current_wakeup_fd() not in (loop_w, -1)
         watcher = mgr._signals._watcher
         mgr.close()
         watcher.join(timeout=5)
         assert not watcher.is_alive()  # no thread is left behind by a closed manager
         assert signal.getsignal(signal.SIGUSR1) is before
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert current_wakeup_fd() == loop_w
         assert "save" not in vars(mgr)  # save() is the class's again
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        signal.set_wakeup_fd(previous_fd)
+        os.close(loop_r)
+        os.close(loop_w)
 
 
 def test_on_signal_is_refused_outside_the_main_thread(tmp_path: Path,
@@ -441,3 +465,38 @@ def test_two_ranks_both_signalled_rank_0_flushes_and_rank_1_leaves_after_it(
         assert (node1 / newest.name / "rng" / "rank_00001.json").exists()
         assert not (node1 / newest.name / "rng" / "rank_00000.json").exists()
     assert [n for n in memory.list_dir("") if n.startswith("signal-flushed-")] != []
+
+
+def test_a_signal_while_waiting_in_a_collective_for_a_straggler_flushes_within_the_grace(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    # Python runs a handler only when the main thread is back from C: here the all_reduce
+    # returns after STRAGGLE_S (8x the grace), when the scheduler's SIGKILL has come. The
+    # signal's delivery, not its handler, starts the grace, and the flush runs meanwhile.
+    ranks = [forkserver().Process(target=child, args=("straggler", tmp_path, env, rank))
+             for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    try:
+        wait_for(tmp_path / "straggling", ranks[1])
+        time.sleep(0.5)  # rank 0 is in the all_reduce of step 3 by now
+        sent = time.monotonic()
+        os.kill(ranks[0].pid, signal.SIGTERM)  # rank 1 hangs: it gets no signal in time
+        ranks[0].join(STRAGGLE_S + 20)
+        took = time.monotonic() - sent
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGKILL)
+            process.join(10)
+    err = (tmp_path / "stderr-0").read_text()
+
+    assert ranks[0].exitcode == 143, err
+    found = re.search(r"rank 0: SIGTERM: flushed \S+ to \S+/(step_\d+), ([0-9.]+) s after the "
+                      r"signal; exiting with status 143", err)
+    assert found is not None, err
+    logged = float(found.group(2))
+    assert took < 5.0, f"rank 0 left {took:.1f} s after the signal, past its 5 s grace"
+    # Timed from delivery: the log's figure cannot be far below what the test measured.
+    assert logged <= took and took - logged < 2.0, (logged, took)
+    name = found.group(1)
+    assert int(name.removeprefix("step_")) in assert_durable_whole(tmp_path)
