@@ -881,8 +881,8 @@ def test_model_on_a_store_that_ignores_conditional_creates(condition_ignoring_pr
 
 
 
-# -- shrunk sequences, replayed: one per distinct failure the model found on the code of
-# issue 25 (xfail until its case is fixed; drop the marker with the fix) -----------------------
+# -- shrunk sequences, replayed: one per distinct failure the model found (on the code of
+# issue 25, and in long runs since); each failed before its fix --------------------------------
 
 
 def replay(tmp_path: Any, main: dict[str, Any], *steps: tuple[str, dict[str, Any]],
