@@ -128,7 +128,7 @@ def _transport(nbytes: int, shm: str) -> dict[str, float]:
     folder = NodeMemoryBackend("shm://transport")
     folder.write_bytes("data.bin", bytes(nbytes))
     server = PeerServer(folder)
-    peer = open_peer(server.url)
+    peer = open_peer(server.url, server.secret)
     buffer = memoryview(bytearray(nbytes))
 
     def from_tmpfs() -> int:

@@ -455,6 +455,17 @@ class DurableTierSpec(_Declared):
         default=None, ge=1, description="Also keep every durable checkpoint whose step is a "
         "multiple of N.",
     )
+    max_missed: int = Field(
+        default=3, ge=1,
+        description="Due drains in a row that may fail (or be skipped) before save() stops the "
+        "run: with none of them committed, a lost node loses every step since the last "
+        "durable checkpoint. Each failed drain is also raised by the next save().",
+    )
+    on_missed: Literal["stop", "carry_on"] = Field(
+        default="stop",
+        description="What save() does at the due drain after max_missed uncommitted ones: stop "
+        "(raise, naming the steps), or carry_on (log an error and train on with memory only).",
+    )
 
 
 class TiersSpec(_Declared):

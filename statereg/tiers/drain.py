@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from statereg.backends.base import StorageBackend
-from statereg.engine.checkpoints import read_manifest_at, scan_root
+from statereg.engine.checkpoints import read_manifest_at, scan_root, step_of
 from statereg.engine.copy import copy_checkpoint
 from statereg.engine.retention import apply_retention
 from statereg.errors import (
@@ -51,6 +51,19 @@ class Drainer:
         self.draining: str | None = None  # the memory checkpoint the drain reads
         self._error: BaseException | None = None
         self.drained: list[str] = []  # checkpoints this process drained, in order
+        # Due drain steps not committed since the last committed drain, and that drain's.
+        self.uncommitted: list[int] = []
+        self.last_committed: int | None = None
+        self._raised: BaseException | None = None  # taken by save(), not raised by wait()
+
+    def missed(self, step: int) -> None:
+        """A due drain of `step` was not started (drain: skip)."""
+        self.uncommitted.append(step)
+
+    def take_error(self) -> BaseException | None:
+        """A drain failure not yet raised, taken (the next save raises it)."""
+        error, self._error = self._error, None
+        return error
 
     def in_flight(self) -> bool:
         return self._future is not None and not self._future.done()
@@ -63,6 +76,9 @@ class Drainer:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="statereg-drain")
         self.draining = name
+        step = step_of(name)
+        if step is not None:
+            self.uncommitted.append(step)
         self._future = self._pool.submit(self.drain, name)
 
     def drain(self, name: str) -> None:
@@ -76,6 +92,10 @@ class Drainer:
                          self.memory.display(name), self.durable.url, exc)
             raise
         self.drained.append(name)
+        step = step_of(name)
+        if step is not None:
+            self.last_committed = step
+            self.uncommitted[:] = [s for s in self.uncommitted if s > step]
         logger.info("drained %s to %s in %.2f s", name, self.durable.display(name),
                     time.perf_counter() - started)
         if self.declared.keep_last is not None:

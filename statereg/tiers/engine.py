@@ -36,6 +36,7 @@ from statereg.engine.checkpoints import Committed
 from statereg.engine.plan import RankPlan, compile_plan
 from statereg.engine.saver import SaveHandle, Saver
 from statereg.engine.world import World, attempt
+from statereg.errors import StateregError, StorageError
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.protocols import TensorState
 from statereg.tiers.drain import Drainer
@@ -52,11 +53,23 @@ from statereg.tiers.memory import MemoryRetention
 from statereg.tiers.node_memory import NodeMemoryBackend, check_room
 from statereg.tiers.replicas import Replicas
 from statereg.tiers.restore import Restorer
-from statereg.tiers.transport import PeerServer, open_peer
+from statereg.tiers.transport import (
+    GLOO_IFNAME_ENV,
+    PEER_HOST_ENV,
+    PeerServer,
+    network_namespace,
+    open_peer,
+    peer_address,
+    unusable_across_machines,
+)
 
 logger = logging.getLogger("statereg")
 
 __all__ = ["TierEngine", "rank_bytes", "run_id"]
+
+# Seconds a leader gives its neighbour's server to answer the reachability check at
+# construction (a wrong address fails there, not at the first replica).
+_PING_TIMEOUT_S = 10.0
 
 
 def rank_bytes(spec: RegistrySpec, world: World, adapters: dict[str, Any]) -> list[int]:
@@ -134,18 +147,63 @@ class TierEngine:
 
     def _connect_peers(self, folder: str) -> None:
         """Each node's leader serves its folder; every rank reads other nodes through them,
-        its next node first (the one holding its replica). Collective."""
-        def serve() -> str | None:
+        its next node first (the one holding its replica). Collective.
+
+        Fails early, on every rank alike: an address another machine cannot reach (a
+        loopback address, where the nodes do not share one network namespace) is refused
+        before anything listens, and each leader then reaches its neighbours' servers once,
+        so a wrong address is an error here instead of a replica or drain failing later."""
+        found, error = attempt(peer_address) if self.leads else (None, None)
+        self.world.agree(error, "finding this node's peer address")
+        everyone = self.world.all_gather((found, network_namespace()))
+        spaces = {space for _, space in everyone}
+        if len(spaces) != 1 or None in spaces:  # really several machines (or unknown)
+            for rank, (address, _) in enumerate(everyone):
+                why = None if address is None else unusable_across_machines(address[0])
+                if why is not None:
+                    raise StorageError(
+                        f"memory tier: node {self.nodes.of_rank[rank]} (rank {rank}) would "
+                        f"serve its memory to the other nodes at {address[0]} (from "
+                        f"{address[1]}), {why}: the job's {self.nodes.count} nodes could not "
+                        f"reach it, so no replica and no drain of its files would work. Set "
+                        f"${PEER_HOST_ENV} on each node to its own address on the network the "
+                        f"nodes share (the address of the interface gloo uses, which "
+                        f"${GLOO_IFNAME_ENV} names; setting ${GLOO_IFNAME_ENV} alone also "
+                        "works), or fix the host name's entry in /etc/hosts")
+
+        def serve() -> tuple[str, bytes] | None:
             if not self.leads:
                 return None
-            self._server = PeerServer(self.memory)
-            return self._server.url
-        url, error = attempt(serve)
+            self._server = PeerServer(self.memory, host=found[0])
+            return self._server.url, self._server.secret
+        served, error = attempt(serve)
         self.world.agree(error, "starting the memory tier's peer server")
-        urls = self.world.all_gather(url)
+        servers = self.world.all_gather(served)
         count = self.nodes.count
         self._peer_nodes[:] = [(self.node + k) % count for k in range(1, count)]
-        peers = [open_peer(urls[self.nodes.leader(n)]) for n in self._peer_nodes]
+        peers = [open_peer(*servers[self.nodes.leader(n)]) for n in self._peer_nodes]
+
+        def reach() -> None:  # the next node's server and the previous one's
+            if not self.leads:
+                return
+            for node in {self._peer_nodes[0], self._peer_nodes[-1]}:
+                url, secret = servers[self.nodes.leader(node)]
+                try:
+                    open_peer(url, secret, _PING_TIMEOUT_S).ping()
+                except StorageError as exc:
+                    raise StorageError(
+                        f"memory tier: node {self.node} cannot reach node {node}'s peer server "
+                        f"at {url} ({exc}). Set ${PEER_HOST_ENV} on node {node} to an address "
+                        f"this node reaches (the address of the interface gloo uses, "
+                        f"${GLOO_IFNAME_ENV}), and let its port range through any firewall "
+                        "between the nodes") from exc
+        _, error = attempt(reach)
+        try:
+            self.world.agree(error, "reaching the neighbouring nodes' peer servers")
+        except BaseException:
+            if self._server is not None:
+                self._server.close()
+            raise
         reader = NodeMemoryBackend(folder, peers)
         self.reader = reader
         self._replicas = Replicas(self.world, self.nodes, self.memory, reader,
@@ -177,13 +235,17 @@ class TierEngine:
             return None
         self._saver.wait()  # the previous memory save and what followed its commit
         drainer = self._drainer
+        due, skipped = to_durable, False
         if to_durable and self.world.rank == 0 and drainer.in_flight():
             if self.tiers.memory.drain == "skip":
-                logger.warning("the drain of %s is still running: step %d is not drained "
-                               "(tiers.memory.drain: skip)", drainer.draining, step)
-                to_durable = False
+                skipped, to_durable = True, False
             else:
                 drainer.join()
+        self.world.agree(self._failure(step, due), "the memory tier's last replica or drain")
+        if skipped:
+            logger.warning("the drain of %s is still running: step %d is not drained "
+                           "(tiers.memory.drain: skip)", drainer.draining, step)
+            drainer.missed(step)
         if self.leads:
             self._retention.join()
             self._retention.drop_stale(step, drainer.draining, self._failed)
@@ -200,6 +262,38 @@ class TierEngine:
                 drainer.start(name)
 
         return self._saver.save(plan, adapters, step, tokens_seen, extra, committed)
+
+    def _failure(self, step: int, to_durable: bool) -> StateregError | None:
+        """What the next save raises on every rank (the memory checkpoints are intact): a
+        replica or drain that failed since the last save, or, at a due drain, a durable
+        tier that has not committed for tiers.durable.max_missed due drains."""
+        failures = []
+        if self._replicas is not None and (error := self._replicas.take_error()) is not None:
+            failures.append(str(error))
+        if self.world.rank == 0:
+            drainer, declared = self._drainer, self.tiers.durable
+            if (error := drainer.take_error()) is not None:
+                failures.append(f"a drain to {self.durable.url} failed: {error}")
+            if to_durable and len(drainer.uncommitted) >= declared.max_missed:
+                steps = ", ".join(map(str, drainer.uncommitted))
+                last = ("none in this run" if drainer.last_committed is None
+                        else f"step {drainer.last_committed}")
+                message = (f"{self.durable.url} has not committed a checkpoint for "
+                           f"{len(drainer.uncommitted)} due drains (steps {steps}; the last "
+                           f"committed drain: {last}): a lost node now loses every step since")
+                if declared.on_missed == "carry_on":
+                    logger.error("%s (tiers.durable.on_missed: carry_on)", message)
+                else:
+                    drainer.uncommitted.clear()  # a caller that catches this goes on
+                    failures.append(
+                        f"{message}. The run stops here (tiers.durable.max_missed "
+                        f"{declared.max_missed}); fix the durable store, or declare "
+                        "tiers.durable.on_missed: carry_on to train on with memory only")
+        if not failures:
+            return None
+        return StateregError(
+            f"save(step={step}): {'; '.join(failures)}. The memory tier holds its "
+            "checkpoints; this step was not saved: save it again to go on")
 
     def wait(self) -> None:
         """Block until the drain in flight is committed (and memory retention is done);

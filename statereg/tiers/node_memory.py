@@ -124,10 +124,36 @@ class NodeMemoryBackend(SharedMemoryBackend):
         return None if source is self else source
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The bytes from this node, else from a peer holding them; a peer that fails (down,
+        stalled past its deadline, or answering what was not asked: a StorageError naming
+        it) is passed over for the next peer that holds the file."""
         peer = self._read_from(path)
         if peer is None:
             return super().read_bytes(path, limit)
-        return peer.read_bytes(path, limit)
+        tried: list[StorageBackend] = []
+        while True:
+            try:
+                return peer.read_bytes(path, limit)
+            except StorageError:
+                tried.append(peer)
+                with self._lock:
+                    self._found.pop(path, None)
+                following = self._next_holder(path, tried)
+                if following is None:
+                    raise
+                peer = following
+
+    def _next_holder(self, path: str, tried: list[StorageBackend]) -> StorageBackend | None:
+        """A peer not in `tried` that answers that it holds `path` (None if none does)."""
+        for peer in self.peers:
+            if peer in tried:
+                continue
+            try:
+                if peer.exists(path):
+                    return peer
+            except StorageError:
+                tried.append(peer)
+        return None
 
     @contextmanager
     def open_read(self, path: str, size: int | None = None) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 from statereg.backends.base import StorageBackend
 from statereg.engine.checkpoints import MANIFEST_SUM_NAME
 from statereg.engine.world import World, attempt
+from statereg.errors import StateregError
 from statereg.schemas.manifest import MANIFEST_NAME, FileRecord, parse_manifest
 from statereg.tiers.identity import Nodes
 from statereg.tiers.node_memory import NodeMemoryBackend
@@ -41,6 +42,7 @@ class Replicas:
         self.peer_nodes = peer_nodes
         self.replicate = replicate
         self._thread: threading.Thread | None = None
+        self._error: StateregError | None = None  # a failed copy, raised by the next save
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -103,9 +105,20 @@ class Replicas:
             logger.warning("memory tier: replicating node %d's files into node %d failed "
                            "(%s); a loss of node %d now restores from storage.url", source,
                            self.node, exc, source)
+            self._error = StateregError(
+                f"replicating node {source}'s files into node {self.node} failed ({exc}); "
+                f"a loss of node {source} would restore from storage.url")
             return
         logger.debug("memory tier: replicated %d file(s) of node %d in %.2f s", len(files),
                      source, time.perf_counter() - started)
+
+    def take_error(self) -> StateregError | None:
+        """The failure of the last replica copy, if it is done and failed, taken (a copy
+        still running is not waited for: the next save after it fails raises it)."""
+        if self._thread is not None and self._thread.is_alive():
+            return None
+        error, self._error = self._error, None
+        return error
 
     def join(self) -> None:
         if self._thread is not None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
-import urllib.error
-import urllib.request
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,17 +33,22 @@ def nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     a.write_bytes("step_00000001/model/data.bin", DATA)
     server = PeerServer(a)
     monkeypatch.setenv("STATEREG_NODE", "b")
-    b = NodeMemoryBackend("shm://run/job", [open_peer(server.url)])
+    b = NodeMemoryBackend("shm://run/job", [open_peer(server.url, server.secret)])
     yield a, b, server
     server.close()
 
 
-def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+def _get(server: PeerServer, path: str, start: int = 0, end: int | None = None,
+         ) -> tuple[int, bytes]:
+    """What the job's own client gets for `path` (its status as an error: 403 or 404)."""
+    peer = open_peer(server.url, server.secret)
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {})) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, b""
+        return 206, peer.read_range(path, start, end)
+    except FileNotFoundError:
+        return 404, b""
+    except StorageError as exc:
+        assert "HTTP 403" in str(exc), exc
+        return 403, b""
 
 
 def test_a_node_reads_what_it_lacks_from_its_peer(nodes) -> None:
@@ -118,26 +122,25 @@ def test_holders_show_peer_files_in_walk_and_listings_so_verify_and_layouts_see_
                                                  checksum=checksum_of(hasher))], "fast")
 
 
-def test_the_server_answers_only_the_token_and_never_leaves_its_folder(nodes,
-                                                                       tmp_path: Path) -> None:
+def test_the_server_answers_only_the_job_and_never_leaves_its_folder(nodes,
+                                                                     tmp_path: Path) -> None:
     a, _, server = nodes
-    base, token = server.url.rsplit("/", 1)
     (tmp_path / "secret.txt").write_text("not a checkpoint")
     os.symlink(tmp_path / "secret.txt", a.full_path("step_00000001/model/link.bin"))
     os.mkfifo(a.full_path("step_00000001/model/fifo"))
-    assert _get(f"{server.url}/step_00000001/model/data.bin") == (200, DATA)
-    assert _get(f"{base}/{'0' * len(token)}/step_00000001/model/data.bin")[0] == 403
-    assert _get(f"{base}/step_00000001/model/data.bin")[0] == 403
+    assert _get(server, "step_00000001/model/data.bin") == (206, DATA)
+    # Without the job's secret: refused, whatever the path.
+    stranger = open_peer(server.url, bytes(32))
+    with pytest.raises(StorageError, match="HTTP 403"):
+        stranger.read_bytes("step_00000001/model/data.bin")
     for hostile in ("../../secret.txt", "step_00000001/../../../secret.txt",
                     "step_00000001/model/link.bin", "step_00000001/model/fifo",
-                    "%2e%2e/%2e%2e/secret.txt", ""):
-        assert _get(f"{server.url}/{hostile}")[0] in (403, 404), hostile
-    assert _get(f"{server.url}/step_00000001/model/data.bin",
-                {"Range": "bytes=100-109"}) == (206, DATA[100:110])
-    assert _get(f"{server.url}/step_00000001/model/data.bin",
-                {"Range": f"bytes={len(DATA)}-"})[0] == 416
-    # Messages never show the token.
-    assert token not in open_peer(server.url).display("step_00000001")
+                    "%2e%2e/%2e%2e/secret.txt"):
+        assert _get(server, hostile)[0] in (403, 404), hostile
+    assert _get(server, "step_00000001/model/data.bin", 100, 110) == (206, DATA[100:110])
+    assert _get(server, "step_00000001/model/data.bin", len(DATA)) == (206, b"")  # 416
+    # Messages never show the secret, and no URL holds it.
+    assert server.secret.hex() not in server.url
 
 
 # -- the HTTP client: ranged reads into the caller's buffer, kept connections, clear errors --
@@ -149,7 +152,7 @@ def test_ranged_and_whole_reads_give_the_stored_bytes_over_one_kept_connection(
         nodes) -> None:
     a, _, server = nodes
     a.write_bytes("step_00000001/model/big.bin", BIG)
-    peer = open_peer(server.url)
+    peer = open_peer(server.url, server.secret)
     path = "step_00000001/model/big.bin"
     runs = [(100, 300_000), (300_000, 700_001), (900_000, len(BIG) + 500)]
     with peer.open_ranges(path, runs, len(BIG)) as stream:
@@ -166,7 +169,7 @@ def test_ranged_and_whole_reads_give_the_stored_bytes_over_one_kept_connection(
         stream.seek(-7, os.SEEK_END)
         assert stream.read() == BIG[-7:]
     assert got[100:700_001] == BIG[100:700_001] and got[900_000:] == BIG[900_000:]
-    first = set(server._server._connections)
+    assert server.connections() == 1
     with peer.open_read(path) as stream:
         assert stream.read() == BIG
     assert peer.read_bytes(path) == BIG and peer.read_bytes(path, limit=3) == BIG[:3]
@@ -174,7 +177,7 @@ def test_ranged_and_whole_reads_give_the_stored_bytes_over_one_kept_connection(
     assert peer.size(path) == len(BIG) and peer.exists(path)
     assert not peer.exists("step_00000001/model/none.bin")
     # Every request went over the one connection kept alive.
-    assert len(first) == 1 and server._server._connections == first
+    assert server.connections() == 1 and len(peer._idle) == 1
 
 
 def test_a_peer_that_stops_mid_file_is_a_storage_error_naming_it_and_the_file(
@@ -182,46 +185,49 @@ def test_a_peer_that_stops_mid_file_is_a_storage_error_naming_it_and_the_file(
     a, b, server = nodes
     path = "step_00000001/model/large.bin"
     Path(a.full_path(path)).write_bytes(bytes(64 << 20))  # more than loopback buffers hold
-    _, token = server.url.rsplit("/", 1)
     host, port = server.url.split("/")[2].split(":")
     buffer = bytearray(64 << 20)
     with b.open_ranges(path, [(0, len(buffer))], len(buffer)) as stream:
         assert stream.readinto(memoryview(buffer)[:1 << 20]) == 1 << 20
         server.close()  # the node goes away with the rest of the file unsent
-        with pytest.raises(StorageError, match=rf"reading http://{host}:{port}/\.\.\./{path} "
+        with pytest.raises(StorageError, match=rf"reading http://{host}:{port}/{path} "
                            rf"failed: the peer node at {host}:{port} stopped sending it at "
                            r"byte \d+ .*bring it back, or restore from storage.url") as err:
             stream.readinto(memoryview(buffer)[1 << 20:])
-    assert token not in str(err.value)
+    assert server.secret.hex() not in str(err.value)
     # Down before a read: no answer at all, and no node to fall back to.
     with pytest.raises(StorageError, match=rf"{path} failed: the peer node at {host}:{port} "
                        r"did not answer \(ConnectionRefusedError"):
-        open_peer(server.url).read_bytes(path)
+        open_peer(server.url, server.secret).read_bytes(path)
     with pytest.raises(StorageError, match="did not answer"):
         b.exists("step_00000001/model/data.bin")
 
 
-def test_a_wrong_token_is_refused_with_a_storage_error_and_a_peer_is_read_only(nodes) -> None:
+def test_a_wrong_secret_is_refused_with_a_storage_error_and_a_peer_is_read_only(
+        nodes) -> None:
     _, _, server = nodes
-    base, token = server.url.rsplit("/", 1)
-    stranger = open_peer(f"{base}/{'0' * len(token)}")
+    stranger = open_peer(server.url, bytes(32))
     with pytest.raises(StorageError, match=r"step_00000001/model/data.bin failed: the peer "
-                       r"node at .* refused it \(HTTP 403\): the request's token"):
+                       r"node at .* refused the request \(HTTP 403\): its MAC"):
         stranger.read_bytes("step_00000001/model/data.bin")
-    with pytest.raises(StorageError, match=r"write of .*/\.\.\./step_00000001/x refused: a peer "
-                       "node's memory is read only"):
-        open_peer(server.url).write_bytes("step_00000001/x", b"no")
+    with pytest.raises(StorageError, match=r"write of http://.*/step_00000001/x refused: a "
+                       "peer node's memory is read only"):
+        open_peer(server.url, server.secret).write_bytes("step_00000001/x", b"no")
     with pytest.raises(StorageError, match="is not a peer server's URL"):
-        open_peer(base)
+        open_peer(f"{server.url}/token", server.secret)
 
 
 def test_a_kept_connection_the_server_has_since_closed_is_replaced(nodes) -> None:
     _, _, server = nodes
-    peer = open_peer(server.url)
+    peer = open_peer(server.url, server.secret)
     path = "step_00000001/model/data.bin"
     assert peer.read_bytes(path) == DATA
-    kept = set(server._server._connections)
-    for connection in kept:  # as the server's idle timeout does
+    kept = list(peer._idle)
+    for _ in range(200):  # the worker hands the connection back to the selector thread
+        if server._kept:
+            break
+        time.sleep(0.01)
+    for connection in list(server._kept):  # as the server's idle timeout does
         connection.shutdown(socket.SHUT_RDWR)
     assert peer.read_bytes(path) == DATA and peer.size(path) == len(DATA)
-    assert len(kept) == 1 and not kept & server._server._connections
+    assert len(kept) == 1 and kept[0] not in peer._idle

@@ -333,6 +333,64 @@ def test_a_failed_drain_is_logged_raised_by_wait_and_the_next_due_step_drains_ag
     assert_same_bits(restored.tensors(), trainee.tensors())
 
 
+def test_a_failed_drain_is_raised_by_the_next_save_and_saving_again_goes_on(
+        tmp_path: Path) -> None:
+    """A loop that never calls wait() still hears of a failed drain (issue 27 case 7): the
+    next save() raises it, before saving, saying memory holds the checkpoints; the same
+    step saved again goes on, and its drain commits once the durable root takes writes."""
+    durable = tmp_path / "durable"
+    trainee = Trainee()
+    mgr = trainee.manager(tiered(str(durable), durable={"every": 2}))
+    trainee.step(1), trainee.step(2)
+    mgr.save(2)
+    mgr.wait()
+    trainee.step(3), trainee.step(4)
+    with unwritable(durable):
+        mgr.save(4)  # its drain fails on the background thread
+        trainee.step(5), trainee.step(6)
+        with pytest.raises(StateregError) as failed:
+            mgr.save(6)
+    assert str(failed.value).startswith(f"save(step=6): a drain to {durable} failed: ")
+    assert str(failed.value).endswith("The memory tier holds its checkpoints; this step was "
+                                      "not saved: save it again to go on")
+    assert steps_in_backend(mgr._tiers.memory) == [2, 4]  # 6 was not saved
+    mgr.save(6)
+    mgr.close()
+    assert steps_in(str(durable)) == [2, 6]
+
+
+def test_a_durable_tier_that_misses_max_missed_drains_stops_the_run_unless_told_to_carry_on(
+        tmp_path: Path, caplog: Any) -> None:
+    """drain: skip with a drain that never ends: no failure to raise, yet storage.url holds
+    nothing new; the due drain after max_missed uncommitted ones stops the run."""
+    for on_missed in ("stop", "carry_on"):
+        durable = str(tmp_path / on_missed)
+        trainee = Trainee()
+        mgr = trainee.manager(tiered(durable, memory={"drain": "skip"},
+                                     durable={"every": 2, "max_missed": 2,
+                                              "on_missed": on_missed}))
+        blocked = BlockedWrites(mgr._backend)
+        try:
+            for step in (2, 4):  # 2 drains (hung), 4 skipped
+                trainee.step(step - 1), trainee.step(step)
+                mgr.save(step)
+            assert blocked.entered.wait(10)
+            trainee.step(5), trainee.step(6)
+            if on_missed == "stop":
+                with pytest.raises(StateregError, match=rf"save\(step=6\): {durable} has not "
+                                   r"committed a checkpoint for 2 due drains \(steps 2, 4; the "
+                                   r"last committed drain: none in this run\).* The run stops "
+                                   r"here \(tiers.durable.max_missed 2\)"):
+                    mgr.save(6)
+            else:
+                with caplog.at_level(logging.ERROR, logger="statereg"):
+                    mgr.save(6)
+                assert "has not committed a checkpoint for 2 due drains" in caplog.text
+        finally:
+            blocked.release()
+            mgr.close()
+
+
 def test_drain_wait_policy_blocks_the_next_due_drain_until_the_first_commits(
         tmp_path: Path) -> None:
     durable = str(tmp_path / "durable")
