@@ -493,6 +493,34 @@ def test_a_damaged_memory_copy_fails_closed_to_the_durable_tier(tmp_path: Path,
     assert_same_bits(fresh.tensors(), trained(8).tensors())
 
 
+def test_a_memory_copy_whose_reads_fail_falls_back_to_the_durable_tier(
+        tmp_path: Path, caplog: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a peer node that stalls or lies mid-read gives (tiers/transport.py): a
+    # StorageError naming it, not damage. The memory copy is a cache: the load goes on to
+    # the next copy, here storage.url, instead of failing the resume.
+    spec = tiered(str(tmp_path / "durable"))
+    mgr = run(spec, 9)
+    mgr.close()
+
+    def stalling(read: Any) -> Any:
+        def stalled(self: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+            if path.startswith("step_00000008/model/"):
+                raise StorageError("the peer node at 10.0.0.2:4242 sent nothing for 60 s")
+            return read(self, path, *args, **kwargs)
+        return stalled
+
+    for name in ("open_read", "open_ranges", "open_blocks", "read_bytes"):
+        monkeypatch.setattr(SharedMemoryBackend, name,
+                            stalling(getattr(SharedMemoryBackend, name)))
+
+    fresh = Trainee()
+    with caplog.at_level(logging.WARNING, logger="statereg"):
+        result = fresh.manager(spec).load()
+    assert result.path == f"{tmp_path}/durable/step_00000008"
+    assert "unusable" in caplog.text and "10.0.0.2:4242" in caplog.text
+    assert_same_bits(fresh.tensors(), trained(8).tensors())
+
+
 def test_a_damaged_newest_memory_copy_falls_back_to_the_older_one_and_is_replaced(
         tmp_path: Path, caplog: Any) -> None:
     spec = tiered(str(tmp_path / "durable"), durable={"every": 100})  # memory only
