@@ -388,8 +388,9 @@ def _hidden_entry(backend: StorageBackend, name: str, number: int) -> str | None
 
 def _remove_hidden(backend: StorageBackend, name: str, numbers: list[int]) -> None:
     """Delete the hostile entries at claim `numbers`, once this saver's claim (a higher number)
-    is the newest: no saver creates a claim below the newest one, so none of these can have
-    become a real claim meanwhile. A link is deleted itself, never what it points to."""
+    is the newest. A saver that creates a real claim at one of these numbers afterwards finds
+    this newer claim above it and gives its own up (`claim_checkpoint`). A link is deleted
+    itself, never what it points to."""
     for number in numbers:
         path = f"{name}/{claim_file(number)}"
         try:
@@ -402,6 +403,10 @@ def _remove_hidden(backend: StorageBackend, name: str, numbers: list[int]) -> No
             continue
         logger.warning("deleted %s: it was not a claim statereg writes (a link or a special "
                        "file), and it blocked saves of this step", backend.display(path))
+
+
+class _Superseded(Exception):
+    """A claim was created below another saver's newer one: it must be given up."""
 
 
 def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") -> Claim:
@@ -471,6 +476,13 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
             if mine is None or mine.token != info.token:
                 raise lost_race(backend, name, f"claimed by {mine.describe()} at the same "
                                 f"moment" if mine else "its claim is gone")
+            if any(n > number for n in read_claims(backend, name)):
+                # The newest claim holds the directory. This number came from a listing made
+                # before another saver, which had skipped the same link or special file,
+                # claimed the next number and deleted that entry: it is free now, but below
+                # a live claim. Give it up and look again (found by the model-based test:
+                # both saved the step, the second failing inside DCP).
+                raise _Superseded
             refuse_committed(backend, name)  # committed between the first check and the claim
             # Not another saver's claim being created (`.claim-N.tmp-…`, local disk): its
             # link fails or wins on its own, and it removes its temporary file itself. Nor,
@@ -488,13 +500,16 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
                     backend.remove_tree(f"{name}/{entry}")
             if hidden and purpose != "gc":  # gc removes the whole directory itself
                 _remove_hidden(backend, name, hidden)
-        except BaseException:
+        except BaseException as exc:
             _ACTIVE.pop(info.token, None)
             claim._stop.set()
             with contextlib.suppress(Exception):
                 if claim.exclusive or claim._mine():  # never another saver's claim
                     backend.remove_file(claim.path)
-            raise
+            if not isinstance(exc, _Superseded):
+                raise
+            attempts += 1
+            continue
         claim.start()
         return claim
     raise CheckpointInProgressError(

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import crash_driver
@@ -247,6 +248,55 @@ def test_a_hostile_claim_file_is_no_live_claim_and_the_save_commits(tmp_path, sh
     loaded = TinyState.trained(1)
     statereg.CheckpointManager(decl, **loaded.objects()).load(step=5)
     assert_identical(loaded.snapshot(), state.snapshot())
+
+
+@pytest.mark.parametrize("shape", ["link-to-file", "fifo"])
+def test_a_saver_that_listed_before_a_hostile_claim_was_removed_yields_to_the_newer_claim(
+        tmp_path, shape):
+    """Found by the model-based test (seed 1008): two savers of step 5 both skip a hostile
+    `.claim-00000`; A claims 1 and deletes the hostile entry; B, whose listing predates A's
+    claim, then creates claim 0, which is free now. B took A's claim for a leftover and both
+    wrote the step (the second failed inside DCP with a raw RuntimeError). B must yield to
+    the newer claim: CheckpointInProgressError, and A's claim stays."""
+    root, outside = str(tmp_path / "root"), tmp_path / "outside"
+    outside.mkdir()
+    _plant_hostile_claim(root, shape, outside)
+    backend = open_backend(root)
+    name = "step_00000005"
+    held, release = threading.Event(), threading.Event()
+    claims = []
+
+    def saver_a() -> None:
+        claims.append(claims_module.claim_checkpoint(backend, name))
+        held.set()
+        release.wait(30)
+        claims[0].release()
+
+    a = threading.Thread(target=saver_a, name="saver-a")
+    a.start()
+    try:
+        assert held.wait(30)
+        assert not os.path.lexists(os.path.join(root, name, claim_file(0)))  # A deleted it
+
+        class StaleFirstListing(type(backend)):
+            """B's first listing of the step was made before A claimed it."""
+            listed = False
+
+            def list_dir(self, path=""):
+                if path == name and not StaleFirstListing.listed:
+                    StaleFirstListing.listed = True
+                    return []
+                return super().list_dir(path)
+
+        b = StaleFirstListing(root)
+        with pytest.raises(statereg.errors.CheckpointInProgressError,
+                           match="is being saved by a save in thread 'saver-a'"):
+            claims_module.claim_checkpoint(b, name)
+        assert StaleFirstListing.listed
+        assert sorted(os.listdir(os.path.join(root, name))) == [claim_file(1)]
+    finally:
+        release.set()
+        a.join(30)
 
 
 @pytest.mark.parametrize("shape", HOSTILE_CLAIMS)
