@@ -93,14 +93,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from statereg import load_spec
 from statereg.backends.checksum import FileRecorder, VerifiedReads, WrittenFile
-from statereg.backends.dcp_io import (
-    BackendWriter,
-    ItemReports,
-    pack_results,
-    unpack_results,
-)
 from statereg.backends.memory import MemoryBackend
-from statereg.backends.torch_private import storage_info
+from statereg.dcp.planner import StateregSavePlanner, plan_digest
+from statereg.dcp.reports import ItemReports, pack_results, unpack_results
+from statereg.dcp.torch_private import storage_info
+from statereg.dcp.writer import BackendWriter
 from statereg.engine.checkpoints import (
     checkpoint_name,
     latest_committed,
@@ -108,7 +105,7 @@ from statereg.engine.checkpoints import (
 )
 from statereg.engine.claims import claim_checkpoint
 from statereg.engine.layouts.base import Captured
-from statereg.engine.layouts.dcp import GroupReader, StateregSavePlanner, plan_digest
+from statereg.engine.layouts.dcp import GroupReader
 from statereg.engine.load import read_records
 from statereg.engine.plan import (
     LoadTask,

@@ -290,8 +290,8 @@ def _refuse_existing_copy(dst: Any, name: str) -> None:
 def cmd_cp(args: argparse.Namespace) -> None:
     import time
 
-    from statereg.backends.codec import CompressionSettings
     from statereg.backends.registry import open_backend
+    from statereg.dcp.codec import CompressionSettings
     from statereg.engine.copy import Recompress, copy_checkpoint
     from statereg.engine.inspect import split_checkpoint_url
     from statereg.engine.report import describe_rate

@@ -22,8 +22,8 @@ from torch import nn
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import VerifiedReads
-from statereg.backends.dcp_io import METADATA_NAME
 from statereg.backends.registry import open_backend, url_scheme
+from statereg.dcp.metadata import METADATA_NAME
 from statereg.engine.inspect import open_checkpoint, split_checkpoint_url
 from statereg.engine.load import KeyReport, LoadResult, missing_as_damage, read_records
 from statereg.engine.report import format_bytes, format_table

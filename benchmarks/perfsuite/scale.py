@@ -33,8 +33,8 @@ import statereg.backends.checksum as backend_checksum
 import statereg.engine.save as engine_save
 import statereg.manager as manager_module
 from perfsuite.measure import PageCache, Timing, fresh_dir, measure
-from statereg.backends.dcp_io import BackendWriter
-from statereg.engine.layouts.dcp import StateregSavePlanner
+from statereg.dcp.planner import StateregSavePlanner
+from statereg.dcp.writer import BackendWriter
 
 CATEGORIES = {
     "plan": [(manager_module, "capture"), (manager_module, "check_consistency"),

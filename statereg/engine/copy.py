@@ -25,14 +25,10 @@ from statereg.backends.checksum import (
     missing,
     verify_stream,
 )
-from statereg.backends.codec import CompressionSettings
-from statereg.backends.dcp_io import (
-    METADATA_NAME,
-    BackendReader,
-    BackendWriter,
-    SafeLoadPlanner,
-    load_in_place,
-)
+from statereg.dcp.codec import CompressionSettings
+from statereg.dcp.metadata import METADATA_NAME
+from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
+from statereg.dcp.writer import BackendWriter
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of
 from statereg.engine.claims import claim_checkpoint, claim_scope
 from statereg.engine.load import read_records

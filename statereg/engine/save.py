@@ -19,7 +19,7 @@ import torch
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile, new_hasher
-from statereg.backends.codec import CompressionSettings
+from statereg.dcp.codec import CompressionSettings
 from statereg.engine.checkpoints import Committed, checkpoint_name
 from statereg.engine.claims import Claim, claim_checkpoint, claim_scope
 from statereg.engine.incremental import (

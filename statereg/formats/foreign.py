@@ -16,7 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from statereg.backends.base import StorageBackend
-from statereg.backends.dcp_io import METADATA_NAME, BackendReader, SafeLoadPlanner
+from statereg.dcp.metadata import METADATA_NAME
+from statereg.dcp.reader import BackendReader, SafeLoadPlanner
 from statereg.errors import CheckpointMismatchError
 from statereg.formats.tensors import dcp_tensor_metas, nbytes
 from statereg.state.optimizer import OptimizerAdapter

@@ -23,8 +23,8 @@ from matrix import (
 )
 
 import statereg
-from statereg.backends.codec import CompressionSettings
 from statereg.backends.registry import open_backend
+from statereg.dcp.codec import CompressionSettings
 from statereg.engine.copy import Recompress, copy_checkpoint
 
 RECOMPRESS: dict[str, Recompress] = {

@@ -10,7 +10,7 @@ import torch
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder
-from statereg.backends.codec import CompressionSettings
+from statereg.dcp.codec import CompressionSettings
 from statereg.engine.plan import LoadTask, Task
 from statereg.engine.world import World
 from statereg.errors import SpecError
