@@ -18,7 +18,7 @@ count the real collectives per save and per load to check against):
   (StateregSavePlanner.create_global_plan, BackendWriter.prepare_global_plan) and `.metadata`
   (BackendWriter.finish, from each rank's write results); every rank's files (a placeholder
   of 64 bytes per DCP data file: the request count is the real one, not the byte count);
-  the claim, the manifest (engine/save.py build_manifest), the commit (publish.commit) and
+  the claim, the manifest (engine/save_steps.py build_manifest), the commit (publish.commit) and
   retention, all real and counted.
 - Later save (the next step, same shapes): what layouts/dcp.py SavePlans does when every
   rank's plan digest is unchanged: no DCP collective; each rank's write results packed
@@ -117,7 +117,7 @@ from statereg.engine.plan import (
 )
 from statereg.engine.publish import commit
 from statereg.engine.retention import apply_retention
-from statereg.engine.save import build_manifest, summarize
+from statereg.engine.save_steps import build_manifest, summarize
 from statereg.engine.verify import verify_files
 from statereg.engine.world import World
 from statereg.formats.names import DCP_METADATA_NAME, SIDECAR_NAME
@@ -340,13 +340,13 @@ def relative(files: list[WrittenFile], name: str) -> list[WrittenFile]:
 SAVE_COLLECTIVES = """\
 engine/saver.py Saver.save: World.gather_checked (reading state): all_gather of each rank's
   (SaveSummary, failure); check_consistency / check_replicas call none while digests agree
-engine/save.py _save_checkpoint: World.gather_checked (claim): all_gather of each rank's
+engine/save_steps.py _save_checkpoint: World.gather_checked (claim): all_gather of each rank's
   (DCP plan digests, failure)
 first save only, per dcp component, layouts/dcp.py DCPLayout.write -> dcp.save
   (state_dict_saver._save_state_dict): gather local plans, scatter global plans, gather
   write results, broadcast .metadata (a later save of unchanged plans: SavePlans.write_again,
   no collective)
-engine/save.py _save_checkpoint: World.gather_on_leader: gather of each rank's (failure,
+engine/save_steps.py _save_checkpoint: World.gather_on_leader: gather of each rank's (failure,
   files, item reports) to rank 0; World.broadcast of rank 0's failure (None)"""
 LOAD_COLLECTIVES = """\
 manager.py CheckpointManager._resolve: World.from_leader (_find_here): broadcast of the
@@ -396,7 +396,7 @@ def simulate_saves(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: in
         ledger.all_gather([summary] * ranks, "saver.py gather_checked (reading state)")
         backend.rank = 0
         claim = claim_checkpoint(backend, name)
-        ledger.all_gather([digests] * ranks, "save.py gather_checked (claim, plan digests)")
+        ledger.all_gather([digests] * ranks, "save_steps.py gather_checked (claim, plan digests)")
         files: list[list[WrittenFile]] = [[] for _ in range(ranks)]
         outgoing: list[dict[str, ItemReports]] = [{} for _ in range(ranks)]
         coordinator_s = 0.0
@@ -419,7 +419,7 @@ def simulate_saves(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: in
             files[rank] += relative(rank_files(backend, name, plans[rank]), name)
         ledger.gather(pickled_each([(None, (f, None, o)) for f, o in zip(files, outgoing,
                                                                           strict=True)]),
-                      "save.py gather_on_leader (file and item reports)")
+                      "save_steps.py gather_on_leader (file and item reports)")
         backend.rank = 0
         every_file = sorted({f.path: f for rank in files for f in rank}.values(),
                             key=lambda f: f.path)
@@ -430,7 +430,7 @@ def simulate_saves(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: in
         manifest = build_manifest(spec, captured, every_file, step, None, {}, ranks)
         commit(backend, name, manifest, claim)
         commit_s = time.process_time() - started
-        ledger.broadcast(pickled([None]), "save.py broadcast (rank 0's failure: None)")
+        ledger.broadcast(pickled([None]), "save_steps.py broadcast (rank 0's failure: None)")
         apply_retention(backend, spec.save, name)
         results.append(({
             **ledger.figures(),

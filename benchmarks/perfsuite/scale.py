@@ -30,7 +30,7 @@ from torch import nn
 
 import statereg
 import statereg.backends.checksum as backend_checksum
-import statereg.engine.save as engine_save
+import statereg.engine.save_steps as engine_save
 import statereg.manager as manager_module
 from perfsuite.measure import PageCache, Timing, fresh_dir, measure
 from statereg.dcp.planner import StateregSavePlanner

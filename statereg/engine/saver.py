@@ -1,5 +1,6 @@
-"""The whole save pipeline of one run: capture, cross-rank checks, staging, the background
-write and the commit. The manager only hands it the plan and the live adapters.
+"""The Saver: the save pipeline of one run, across its saves (capture, cross-rank checks,
+staging, the background write and the commit); the steps of each save are save_steps.py.
+The manager only hands it the plan and the live adapters.
 
     save(step) -> capture (plan's tasks) -> check keys and replicas on every rank
                -> off:   write and commit now
@@ -21,7 +22,7 @@ from statereg.engine.checkpoints import checkpoint_name
 from statereg.engine.layouts import Captured
 from statereg.engine.layouts.dcp import SavePlans
 from statereg.engine.plan import RankPlan
-from statereg.engine.save import (
+from statereg.engine.save_steps import (
     capture,
     check_consistency,
     check_extra,

@@ -73,7 +73,7 @@ class SavePlans:
     """DCP save plans of one job, reused while every rank plans what it planned last time.
 
     Before its writes, a save digests each rank's local plan of every DCP component over the
-    whole world or alone (`digest`); engine/save.py gathers the digests with the claim's
+    whole world or alone (`digest`); engine/save_steps.py gathers the digests with the claim's
     agreement, one collective for all components. A component whose digests on every rank
     equal those of its last committed save skips DCP's planning collectives: each rank
     writes its kept final plan, sends its packed write results to the coordinator with the
@@ -192,7 +192,7 @@ class SavePlans:
 
 @dataclass
 class PlannedWriteContext(WriteContext):
-    """A WriteContext with the job's kept DCP save plans (engine/save.py builds it)."""
+    """A WriteContext with the job's kept DCP save plans (engine/save_steps.py builds it)."""
 
     plans: SavePlans | None = None
 

@@ -1,5 +1,5 @@
-"""Execute a save: capture what the plan says, check it across ranks, write every file through
-its layout, then commit.
+"""The steps of one save: capture what the plan says, check it across ranks, write every file
+through its layout, then commit.
 
 The async pipeline around these steps (staging, the background thread) is engine/saver.py.
 """

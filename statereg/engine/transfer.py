@@ -34,7 +34,7 @@ from statereg.engine.claims import claim_checkpoint, claim_scope
 from statereg.engine.load import read_records
 from statereg.engine.publish import commit
 from statereg.engine.report import Progress
-from statereg.engine.save import file_codec
+from statereg.engine.save_steps import file_codec
 from statereg.engine.world import attempt, raise_own
 from statereg.schemas.manifest import FileRecord, Manifest
 
