@@ -23,7 +23,7 @@ from torch import nn
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import VerifiedReads
 from statereg.backends.registry import open_backend, url_scheme
-from statereg.dcp.metadata import METADATA_NAME
+from statereg.dcp import METADATA_NAME
 from statereg.engine.by_url import open_checkpoint, split_checkpoint_url
 from statereg.engine.load import KeyReport, LoadResult, missing_as_damage, read_records
 from statereg.engine.report import format_bytes, format_table

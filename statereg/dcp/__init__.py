@@ -20,6 +20,10 @@ Storage itself (`statereg.backends`) imports no torch; this package sits above i
 
 import warnings
 
+# The file DCP keeps a directory's metadata in (one definition: formats/names.py, torch-free,
+# names it too, so importing it from here must stay torch-free).
+METADATA_NAME = ".metadata"
+
 # DCP warns on every single-process save/load; statereg chooses single-process on purpose.
 warnings.filterwarnings(
     "ignore",

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.metadata import (
 
 from statereg.errors import CorruptCheckpointError
 
-METADATA_NAME = ".metadata"
 # The attribute of DCP's Metadata holding each item's xxh3_64 (of its stored bytes), keyed by
 # the same MetadataIndex objects as `storage_data` (pickle stores each key once). Plain DCP
 # unpickles it as one more attribute and ignores it.

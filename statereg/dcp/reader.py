@@ -32,10 +32,10 @@ from torch.futures import Future
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import Recorded, VerifiedReads, verify_stream
-from statereg.dcp import codec, torchsave
+from statereg.dcp import METADATA_NAME, codec, torchsave
 from statereg.dcp.device_reads import DeviceLanding
 from statereg.dcp.fs import BackendFileSystem, normalize_path
-from statereg.dcp.metadata import METADATA_NAME, item_checksums, load_dcp_metadata
+from statereg.dcp.metadata import item_checksums, load_dcp_metadata
 from statereg.dcp.reuse import item_key
 from statereg.dcp.torch_private import StorageInfo
 from statereg.errors import CorruptCheckpointError

@@ -31,9 +31,9 @@ from torch.futures import Future
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder
-from statereg.dcp import codec
+from statereg.dcp import METADATA_NAME, codec
 from statereg.dcp.fs import BackendFileSystem
-from statereg.dcp.metadata import ITEM_CHECKSUMS, METADATA_NAME, gc_paused, shared_descriptors
+from statereg.dcp.metadata import ITEM_CHECKSUMS, gc_paused, shared_descriptors
 from statereg.dcp.reuse import Reusable, item_key, tensor_digest
 from statereg.dcp.torch_private import storage_info
 

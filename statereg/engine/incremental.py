@@ -20,8 +20,9 @@ from collections.abc import Iterator, Mapping
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import checksum_of, new_hasher
+from statereg.dcp import METADATA_NAME
 from statereg.dcp.fs import normalize_path
-from statereg.dcp.metadata import METADATA_NAME, item_checksums, load_dcp_metadata
+from statereg.dcp.metadata import item_checksums, load_dcp_metadata
 from statereg.dcp.reuse import Reusable, item_key
 from statereg.engine.checkpoints import Committed, latest_committed, read_manifest_at
 from statereg.engine.claims import Claim

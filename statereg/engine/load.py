@@ -23,7 +23,6 @@ import torch
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import (
     VerifiedReads,
-    check_file,
 )
 from statereg.engine.checkpoints import Committed
 from statereg.engine.layouts import LAYOUTS, KeyReport, ReadContext
@@ -78,11 +77,6 @@ def select_components(declared: Iterable[str], committed: Committed, include: li
             f"{', '.join(committed.manifest.components)}); pass exclude={absent!r} to load the rest"
         )
     return chosen
-
-
-def check_checksum(where: str, record: FileRecord, data: bytes) -> None:
-    """Raise CorruptCheckpointError unless `data` has the checksum the manifest recorded."""
-    check_file(where, record, data)
 
 
 def read_records(manifest: Manifest, name: str, names: Iterable[str]) -> dict[str, FileRecord]:

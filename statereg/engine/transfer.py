@@ -25,8 +25,8 @@ from statereg.backends.checksum import (
     missing,
     verify_stream,
 )
+from statereg.dcp import METADATA_NAME
 from statereg.dcp.codec import CompressionSettings
-from statereg.dcp.metadata import METADATA_NAME
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
 from statereg.dcp.writer import BackendWriter
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of

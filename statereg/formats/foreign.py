@@ -16,7 +16,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from statereg.backends.base import StorageBackend
-from statereg.dcp.metadata import METADATA_NAME
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner
 from statereg.errors import CheckpointMismatchError
 from statereg.formats.tensors import dcp_tensor_metas, nbytes
@@ -24,10 +23,6 @@ from statereg.state.optimizer import OptimizerAdapter
 from statereg.state.protocols import TensorMeta
 
 _GROUPS = "param_groups."
-
-
-def is_dcp_dir(backend: StorageBackend, directory: str) -> bool:
-    return METADATA_NAME in backend.list_dir(directory)
 
 
 class DCPDirectory:

@@ -33,7 +33,8 @@ from torch.futures import Future
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile
-from statereg.dcp.metadata import METADATA_NAME, load_dcp_metadata
+from statereg.dcp import METADATA_NAME
+from statereg.dcp.metadata import load_dcp_metadata
 from statereg.dcp.planner import PLAIN_TENSOR_TYPES, StateregSavePlanner, plan_digest
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner
 from statereg.dcp.reports import ItemReports, pack_results, unpack_results
