@@ -117,7 +117,7 @@ from statereg.engine.plan import (
 )
 from statereg.engine.publish import commit
 from statereg.engine.retention import apply_retention
-from statereg.engine.save_steps import build_manifest, summarize
+from statereg.engine.save_steps import RankReport, build_manifest, summarize
 from statereg.engine.verify import verify_files
 from statereg.engine.world import World
 from statereg.formats.names import DCP_METADATA_NAME, SIDECAR_NAME
@@ -417,8 +417,8 @@ def simulate_saves(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: in
         for rank in range(ranks):
             backend.rank = rank
             files[rank] += relative(rank_files(backend, name, plans[rank]), name)
-        ledger.gather(pickled_each([(None, (f, None, o)) for f, o in zip(files, outgoing,
-                                                                          strict=True)]),
+        ledger.gather(pickled_each([(None, RankReport(f, item_reports=o))
+                                    for f, o in zip(files, outgoing, strict=True)]),
                       "save_steps.py gather_on_leader (file and item reports)")
         backend.rank = 0
         every_file = sorted({f.path: f for rank in files for f in rank}.values(),

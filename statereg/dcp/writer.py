@@ -19,6 +19,7 @@ import posixpath
 import queue
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,8 +39,30 @@ from statereg.dcp.reuse import Reusable, item_key, tensor_digest
 from statereg.dcp.torch_private import storage_info
 
 
+@dataclass
+class WriteReport:
+    """What one BackendWriter did in one save, filled as DCP drives it (`BackendWriter.report`).
+
+    DCP's `dcp.save` returns only the global metadata, so the writer keeps what statereg needs
+    after it here, in one object, instead of in loose attributes.
+    """
+
+    written: list[WriteResult] = field(default_factory=list)
+    """This rank's write results (`write_data`)."""
+    finished: list[list[WriteResult]] = field(default_factory=list)
+    """On the coordinator: every rank's results `.metadata` was made of (`finish`); a later
+    save of the same plan sends only their differences (ItemReports)."""
+    digests: dict[str, str] = field(default_factory=dict)
+    """Incremental saves: each tensor item's digest, by `item_key`."""
+    referenced: set[str] = field(default_factory=set)
+    """Incremental saves: the earlier checkpoints' files this save's items point into."""
+
+
 class BackendWriter(FileSystemWriter):
-    """DCP storage writer into `path` (relative to the backend root), one fresh directory."""
+    """DCP storage writer into `path` (relative to the backend root), one fresh directory.
+
+    What it did is in `report` (a WriteReport) once `dcp.save` returns.
+    """
 
     def __init__(self, backend: StorageBackend, path: str, recorder: FileRecorder,
                  thread_count: int = 1,
@@ -53,13 +76,7 @@ class BackendWriter(FileSystemWriter):
         self.compressor = CompressingTransforms(compression) if compression is not None else None
         # Incremental saves: items whose digest matches `reuse` are referenced, not written.
         self.reuse = reuse
-        self.digests: dict[str, str] = {}
-        self.referenced: set[str] = set()
-        # What this save wrote (this rank's results) and, on the coordinator, every rank's
-        # results `.metadata` was made of: a later save of the same plan sends only their
-        # differences (ItemReports).
-        self.written: list[WriteResult] = []
-        self.finished: list[list[WriteResult]] = []
+        self.report = WriteReport()
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Rank i's files are `__{i}_{n}.distcp`, as DCP names them; the prefix travels as a
@@ -106,9 +123,9 @@ class BackendWriter(FileSystemWriter):
             thread.join()
         if errors:
             raise errors[0]
-        self.written = [wr for _ in range(results.qsize()) for wr in results.get_nowait()]
+        self.report.written = [wr for _ in range(results.qsize()) for wr in results.get_nowait()]
         done: Future = Future()
-        done.set_result(self.written)
+        done.set_result(self.report.written)
         return done
 
     def _reference_unchanged(self, planner: SavePlanner, items: list[WriteItem],
@@ -122,12 +139,12 @@ class BackendWriter(FileSystemWriter):
                 kept.append(item)
                 continue
             key = item_key(item.index)
-            digest = self.digests[key] = tensor_digest(planner.resolve_data(item))
+            digest = self.report.digests[key] = tensor_digest(planner.resolve_data(item))
             old = self.reuse.get(key)
             if old is None or old.digest != digest:
                 kept.append(item)
                 continue
-            self.referenced.add(old.path)
+            self.report.referenced.add(old.path)
             relative = relative_paths.get(old.path)
             if relative is None:  # one string per file: `.metadata` pickles it once
                 relative = relative_paths[old.path] = posixpath.relpath(old.path, self.path)
@@ -176,7 +193,7 @@ class BackendWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write `.metadata`: `metadata`'s tensors with where this save put each item and the
         digest of its bytes (always this save's results, also when the plan was reused)."""
-        self.finished = results
+        self.report.finished = results
         metadata.version = "1.0.0"
         metadata.storage_data = {}
         checksums: dict[MetadataIndex, int] = {}

@@ -31,7 +31,7 @@ from statereg.engine.save_steps import (
     summarize,
 )
 from statereg.engine.staging import LoopMark, StagingArea, mark_loop
-from statereg.engine.world import World, attempt
+from statereg.engine.world import World, caught
 from statereg.errors import SpecError
 from statereg.schemas.manifest import exact_int, int_text
 from statereg.schemas.spec import RegistrySpec
@@ -120,12 +120,14 @@ class Saver:
         self.wait()
         extra = check_extra(extra)
         world = self.world
-        captured, error = attempt(capture, plan, adapters)
+        captured: list[Captured] = []
         summary = None
-        if error is None:
-            summary, error = attempt(summarize, self.spec, captured, world.size)
+        with caught() as reading:
+            captured = capture(plan, adapters)
+            summary = summarize(self.spec, captured, world.size)
         # One collective: every rank's failure, declaration digest and replica digests.
-        summaries = world.gather_checked(summary, error, f"save of step {step}: reading state")
+        summaries = world.gather_checked(summary, reading.error,
+                                         f"save of step {step}: reading state")
         check_consistency(world, self.spec, captured, summaries)
         check_replicas(world, captured, summaries)
         args = (self.backend, self.spec)
@@ -204,8 +206,10 @@ class Saver:
     def _stage(self, captured: list[Captured], step: int, mark: LoopMark | None = None,
                ) -> list[Captured]:
         """Copy the tensors into the staging buffers; a failure on any rank fails every rank."""
-        staged, error = attempt(self._staging.stage, captured, mark)
-        self.world.agree(error, f"save of step {step}: copying state to host buffers")
+        staged = None
+        with caught() as copying:
+            staged = self._staging.stage(captured, mark)
+        self.world.agree(copying.error, f"save of step {step}: copying state to host buffers")
         return staged
 
     def wait_staged(self) -> None:

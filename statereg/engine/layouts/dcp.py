@@ -38,7 +38,7 @@ from statereg.dcp.metadata import load_dcp_metadata
 from statereg.dcp.planner import PLAIN_TENSOR_TYPES, StateregSavePlanner, plan_digest
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner
 from statereg.dcp.reports import ItemReports, pack_results, unpack_results
-from statereg.dcp.writer import BackendWriter
+from statereg.dcp.writer import BackendWriter, WriteReport
 from statereg.engine.layouts.base import (
     Captured,
     Prepared,
@@ -49,7 +49,7 @@ from statereg.engine.layouts.base import (
     require_object,
 )
 from statereg.engine.plan import WORLD, LoadTask, Task
-from statereg.engine.world import World, attempt, unwrap_alone
+from statereg.engine.world import World, caught, unwrap_alone
 from statereg.formats.jsonstate import decode_state, encode_state
 from statereg.formats.names import SIDECAR_NAME
 from statereg.formats.tensors import dcp_tensor_metas
@@ -137,7 +137,7 @@ class SavePlans:
         writer.set_up_storage_writer(planner.is_coordinator)
         writer.prepare_local_plan(planner.plan)  # the directory, as DCP's writer makes it
         writer.write_data(planner.finish_plan(kept.plan), planner).wait()
-        reports = pack_results([item.index for item in kept.plan.items], writer.written)
+        reports = pack_results([item.index for item in kept.plan.items], writer.report.written)
         self._learned[component] = dataclasses.replace(kept, reports=reports)
         if component in self._alone:
             self._write_metadata(component, writer, [reports.to_send(kept.reports)])
@@ -153,13 +153,13 @@ class SavePlans:
             return
         kept = _KeptPlan(digests, planner.plan,
                          pack_results([item.index for item in planner.plan.items],
-                                      writer.written))
+                                      writer.report.written))
         if planner.is_coordinator:
             # Its tensors and planner data; locations and digests are each save's own.
             kept.metadata = dataclasses.replace(planner.metadata, storage_data=None)
             kept.members = [[item.index for item in plan.items] for plan in planner.global_plan]
             kept.member_reports = [pack_results(indices, results) for indices, results
-                                   in zip(kept.members, writer.finished, strict=True)]
+                                   in zip(kept.members, writer.report.finished, strict=True)]
         self._learned[component] = kept
 
     def finish(self, gathered: list[dict[str, ItemReports]]) -> list[WrittenFile]:
@@ -211,7 +211,7 @@ class DCPLayout:
                 state.sidecar, f"component {task.component!r}")
         return item
 
-    def write(self, item: Captured, ctx: WriteContext) -> BackendWriter:
+    def write(self, item: Captured, ctx: WriteContext) -> WriteReport:
         task = item.task
         group = ctx.world.process_group(task.collective)
         writer = BackendWriter(ctx.backend, f"{ctx.name}/{task.directory}", ctx.recorder,
@@ -221,13 +221,13 @@ class DCPLayout:
         plans = ctx.plans if isinstance(ctx, PlannedWriteContext) else None
         if plans is not None and plans.writes_again(task.component):
             plans.write_again(task.component, writer)
-            return writer
+            return writer.report
         planner = StateregSavePlanner()
         dcp.save(item.tensors, storage_writer=writer, planner=planner,
                  process_group=group, no_dist=group is None)
         if plans is not None:
             plans.learn(task.component, planner, writer)
-        return writer
+        return writer.report
 
     def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
                 ctx: ReadContext) -> Prepared:
@@ -242,8 +242,10 @@ class DCPLayout:
             sidecar_bytes = ctx.read_once(f"{directory}/{SIDECAR_NAME}", task.collective)
         metadata = ctx.read_once(f"{directory}/{METADATA_NAME}", task.collective)
         reader = GroupReader(ctx.backend, directory, ctx.records, metadata, ctx.world, group)
-        found, error = attempt(_checked_targets, task, record, adapter, ctx, reader,
-                               sidecar_bytes)
+        found = None
+        with caught() as checking:
+            found = _checked_targets(task, record, adapter, ctx, reader, sidecar_bytes)
+        error = checking.error
         if group is None:
             if error is not None:
                 raise error
@@ -375,8 +377,9 @@ class GroupReader(BackendReader):
         rank = self.world.rank
         mine = [i for path, items in per_file.items() if owners[path] == rank for i in items]
         keeper = _KeepBytes(planner)
-        _, error = attempt(super().read_data, dataclasses.replace(plan, items=mine), keeper)
-        self.world.agree(error, f"reading {self.source.display(self.path)}", self.group)
+        with caught() as reading:
+            super().read_data(dataclasses.replace(plan, items=mine), keeper)
+        self.world.agree(reading.error, f"reading {self.source.display(self.path)}", self.group)
         for path in sorted(per_file):
             items = sorted(per_file[path], key=lambda i: self.storage_data[i.storage_index].offset)
             for item in items:
