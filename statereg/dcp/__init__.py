@@ -13,20 +13,12 @@ used" finds it by name:
 - `codec.py`: compression of each item (zstd, float planes) and DCP's extension registry;
 - `torchsave.py`: where a tensor's bytes lie inside one `torch.save` record;
 - `device_reads.py`: reads into GPU tensors through page-locked slices;
-- `torch_private.py`: the only home of private torch names, each with its fallback.
+- `torch_private.py`: the only home of private torch names, each with its fallback;
+- `quiet.py`: DCP's single-process warning, silenced during statereg's own DCP calls only.
 
 Storage itself (`statereg.backends`) imports no torch; this package sits above it.
 """
 
-import warnings
-
 # The file DCP keeps a directory's metadata in (one definition: formats/names.py, torch-free,
 # names it too, so importing it from here must stay torch-free).
 METADATA_NAME = ".metadata"
-
-# DCP warns on every single-process save/load; statereg chooses single-process on purpose.
-warnings.filterwarnings(
-    "ignore",
-    message="torch.distributed is disabled, unavailable or uninitialized",
-    module=r"torch\.distributed\.checkpoint",
-)

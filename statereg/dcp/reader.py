@@ -36,6 +36,7 @@ from statereg.dcp import METADATA_NAME, codec, torchsave
 from statereg.dcp.device_reads import DeviceLanding
 from statereg.dcp.fs import BackendFileSystem, normalize_path
 from statereg.dcp.metadata import item_checksums, load_dcp_metadata
+from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reuse import item_key
 from statereg.dcp.torch_private import StorageInfo
 from statereg.errors import CorruptCheckpointError
@@ -278,7 +279,8 @@ def load_in_place(state: dict[str, Any], reader: BackendReader, planner: LoadPla
     its public `state_dict`. Public API only (the in-place private `_load_state_dict` changed
     its signature across releases).
     """
-    dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    with single_process_dcp():
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     state.update(planner.state_dict)
 
 

@@ -27,6 +27,7 @@ from statereg.backends.checksum import (
 )
 from statereg.dcp import METADATA_NAME
 from statereg.dcp.codec import CompressionSettings
+from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
 from statereg.dcp.writer import BackendWriter
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of
@@ -98,7 +99,8 @@ def _rewrite_dcp(src: StorageBackend, src_dir: str, records: dict[str, FileRecor
     if reading.error is not None:  # DCP wraps failures in a BaseException; raise the real one
         raise_own(reading.error, f"reading {src.display(src_dir)}", 0)
     writer = BackendWriter(dst, dst_dir, recorder, thread_count=2, compression=compression)
-    dcp.save(state, storage_writer=writer, no_dist=True)
+    with single_process_dcp():
+        dcp.save(state, storage_writer=writer, no_dist=True)
 
 
 def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,

@@ -36,6 +36,7 @@ from statereg.backends.checksum import FileRecorder, WrittenFile
 from statereg.dcp import METADATA_NAME
 from statereg.dcp.metadata import load_dcp_metadata
 from statereg.dcp.planner import PLAIN_TENSOR_TYPES, StateregSavePlanner, plan_digest
+from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner
 from statereg.dcp.reports import ItemReports, pack_results, unpack_results
 from statereg.dcp.writer import BackendWriter, WriteReport
@@ -223,8 +224,9 @@ class DCPLayout:
             plans.write_again(task.component, writer)
             return writer.report
         planner = StateregSavePlanner()
-        dcp.save(item.tensors, storage_writer=writer, planner=planner,
-                 process_group=group, no_dist=group is None)
+        with single_process_dcp():
+            dcp.save(item.tensors, storage_writer=writer, planner=planner,
+                     process_group=group, no_dist=group is None)
         if plans is not None:
             plans.learn(task.component, planner, writer)
         return writer.report
@@ -262,8 +264,9 @@ class DCPLayout:
             # plans over the collective and each rank reads the items it needs.
             alone = reader.shared or group is None
             try:
-                dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(),
-                         process_group=None if alone else group, no_dist=alone)
+                with single_process_dcp():
+                    dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(),
+                             process_group=None if alone else group, no_dist=alone)
             except BaseException as exc:
                 inner = unwrap_alone(exc) if alone else exc
                 if inner is exc:
