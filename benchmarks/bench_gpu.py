@@ -47,7 +47,7 @@ from perfsuite.floor import write_buffered
 from torch import nn
 
 import statereg
-from statereg.backends.device_reads import LANDING_SLICE
+from statereg.dcp.device_reads import LANDING_SLICE
 from statereg.engine.layouts import Captured
 from statereg.engine.staging import StagingArea
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import zstandard
 
-from statereg.backends import codec
+from statereg.dcp import codec
 
 WORKER = Path(__file__).parent / "perfsuite" / "zipnn_worker.py"
 

@@ -18,7 +18,7 @@ count the real collectives per save and per load to check against):
   (StateregSavePlanner.create_global_plan, BackendWriter.prepare_global_plan) and `.metadata`
   (BackendWriter.finish, from each rank's write results); every rank's files (a placeholder
   of 64 bytes per DCP data file: the request count is the real one, not the byte count);
-  the claim, the manifest (engine/save.py build_manifest), the commit (publish.commit) and
+  the claim, the manifest (engine/save_steps.py build_manifest), the commit (publish.commit) and
   retention, all real and counted.
 - Later save (the next step, same shapes): what layouts/dcp.py SavePlans does when every
   rank's plan digest is unchanged: no DCP collective; each rank's write results packed
@@ -93,14 +93,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from statereg import load_spec
 from statereg.backends.checksum import FileRecorder, VerifiedReads, WrittenFile
-from statereg.backends.dcp_io import (
-    BackendWriter,
-    ItemReports,
-    pack_results,
-    unpack_results,
-)
 from statereg.backends.memory import MemoryBackend
-from statereg.backends.torch_private import storage_info
+from statereg.dcp.planner import StateregSavePlanner, plan_digest
+from statereg.dcp.reports import ItemReports, pack_results, unpack_results
+from statereg.dcp.torch_private import storage_info
+from statereg.dcp.writer import BackendWriter
 from statereg.engine.checkpoints import (
     checkpoint_name,
     latest_committed,
@@ -108,7 +105,7 @@ from statereg.engine.checkpoints import (
 )
 from statereg.engine.claims import claim_checkpoint
 from statereg.engine.layouts.base import Captured
-from statereg.engine.layouts.dcp import GroupReader, StateregSavePlanner, plan_digest
+from statereg.engine.layouts.dcp import GroupReader
 from statereg.engine.load import read_records
 from statereg.engine.plan import (
     LoadTask,
@@ -120,7 +117,7 @@ from statereg.engine.plan import (
 )
 from statereg.engine.publish import commit
 from statereg.engine.retention import apply_retention
-from statereg.engine.save import build_manifest, summarize
+from statereg.engine.save_steps import RankReport, build_manifest, summarize
 from statereg.engine.verify import verify_files
 from statereg.engine.world import World
 from statereg.formats.names import DCP_METADATA_NAME, SIDECAR_NAME
@@ -343,13 +340,13 @@ def relative(files: list[WrittenFile], name: str) -> list[WrittenFile]:
 SAVE_COLLECTIVES = """\
 engine/saver.py Saver.save: World.gather_checked (reading state): all_gather of each rank's
   (SaveSummary, failure); check_consistency / check_replicas call none while digests agree
-engine/save.py _save_checkpoint: World.gather_checked (claim): all_gather of each rank's
+engine/save_steps.py _save_checkpoint: World.gather_checked (claim): all_gather of each rank's
   (DCP plan digests, failure)
 first save only, per dcp component, layouts/dcp.py DCPLayout.write -> dcp.save
   (state_dict_saver._save_state_dict): gather local plans, scatter global plans, gather
   write results, broadcast .metadata (a later save of unchanged plans: SavePlans.write_again,
   no collective)
-engine/save.py _save_checkpoint: World.gather_on_leader: gather of each rank's (failure,
+engine/save_steps.py _save_checkpoint: World.gather_on_leader: gather of each rank's (failure,
   files, item reports) to rank 0; World.broadcast of rank 0's failure (None)"""
 LOAD_COLLECTIVES = """\
 manager.py CheckpointManager._resolve: World.from_leader (_find_here): broadcast of the
@@ -399,7 +396,7 @@ def simulate_saves(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: in
         ledger.all_gather([summary] * ranks, "saver.py gather_checked (reading state)")
         backend.rank = 0
         claim = claim_checkpoint(backend, name)
-        ledger.all_gather([digests] * ranks, "save.py gather_checked (claim, plan digests)")
+        ledger.all_gather([digests] * ranks, "save_steps.py gather_checked (claim, plan digests)")
         files: list[list[WrittenFile]] = [[] for _ in range(ranks)]
         outgoing: list[dict[str, ItemReports]] = [{} for _ in range(ranks)]
         coordinator_s = 0.0
@@ -420,9 +417,9 @@ def simulate_saves(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: in
         for rank in range(ranks):
             backend.rank = rank
             files[rank] += relative(rank_files(backend, name, plans[rank]), name)
-        ledger.gather(pickled_each([(None, (f, None, o)) for f, o in zip(files, outgoing,
-                                                                          strict=True)]),
-                      "save.py gather_on_leader (file and item reports)")
+        ledger.gather(pickled_each([(None, RankReport(f, item_reports=o))
+                                    for f, o in zip(files, outgoing, strict=True)]),
+                      "save_steps.py gather_on_leader (file and item reports)")
         backend.rank = 0
         every_file = sorted({f.path: f for rank in files for f in rank}.values(),
                             key=lambda f: f.path)
@@ -433,7 +430,7 @@ def simulate_saves(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: in
         manifest = build_manifest(spec, captured, every_file, step, None, {}, ranks)
         commit(backend, name, manifest, claim)
         commit_s = time.process_time() - started
-        ledger.broadcast(pickled([None]), "save.py broadcast (rank 0's failure: None)")
+        ledger.broadcast(pickled([None]), "save_steps.py broadcast (rank 0's failure: None)")
         apply_retention(backend, spec.save, name)
         results.append(({
             **ledger.figures(),

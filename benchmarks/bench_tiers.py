@@ -52,7 +52,7 @@ from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend
 from statereg.backends.shm import node_name
 from statereg.engine.checkpoints import list_committed
-from statereg.engine.copy import copy_checkpoint
+from statereg.engine.transfer import copy_checkpoint
 from statereg.tiers.report import memory_roots
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

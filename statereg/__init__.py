@@ -24,8 +24,8 @@ _EXPORTS = {
     "KeyReport": "statereg.engine.load",
     "load_model_from": "statereg.interop",
     "export_hf": "statereg.interop",
-    "read_manifest": "statereg.engine.inspect",
-    "verify": "statereg.engine.inspect",
+    "read_manifest": "statereg.engine.by_url",
+    "verify": "statereg.engine.by_url",
     "StateregError": "statereg.errors",
     "SpecError": "statereg.errors",
     "StorageError": "statereg.errors",
@@ -43,8 +43,8 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from statereg.declaration import load_spec
+    from statereg.engine.by_url import read_manifest, verify
     from statereg.engine.cadence import CadenceReport
-    from statereg.engine.inspect import read_manifest, verify
     from statereg.engine.load import KeyReport, LoadResult
     from statereg.engine.saver import SaveInfo
     from statereg.errors import (

@@ -32,7 +32,7 @@ def _checkpoint_url(text: str) -> str:
     checkpoint directory ('.' inside one works); a URL as given. One that names no directory
     ('/', 's3://': it would read manifest.json from the current directory) or a store's top
     ('shm://run7') is refused, as `split_checkpoint_url` refuses it."""
-    from statereg.engine.inspect import split_checkpoint_url
+    from statereg.engine.by_url import split_checkpoint_url
 
     url = text if "://" in text else os.path.abspath(text)
     try:
@@ -215,7 +215,7 @@ def _root(args: argparse.Namespace) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from statereg.engine.inspect import describe, read_manifest
+    from statereg.engine.by_url import describe, read_manifest
 
     try:
         manifest = read_manifest(args.url, _options(args))
@@ -249,7 +249,7 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
-    from statereg.engine.inspect import verify
+    from statereg.engine.by_url import verify
     from statereg.engine.report import format_bytes
 
     manifest = verify(args.url, _options(args))
@@ -290,11 +290,11 @@ def _refuse_existing_copy(dst: Any, name: str) -> None:
 def cmd_cp(args: argparse.Namespace) -> None:
     import time
 
-    from statereg.backends.codec import CompressionSettings
     from statereg.backends.registry import open_backend
-    from statereg.engine.copy import Recompress, copy_checkpoint
-    from statereg.engine.inspect import split_checkpoint_url
+    from statereg.dcp.codec import CompressionSettings
+    from statereg.engine.by_url import split_checkpoint_url
     from statereg.engine.report import describe_rate
+    from statereg.engine.transfer import Recompress, copy_checkpoint
 
     shared = _options(args)
     root, name = split_checkpoint_url(args.src)

@@ -22,12 +22,12 @@ from torch import nn
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import VerifiedReads
-from statereg.backends.dcp_io import METADATA_NAME
 from statereg.backends.registry import open_backend, url_scheme
-from statereg.engine.inspect import open_checkpoint, split_checkpoint_url
+from statereg.dcp import METADATA_NAME
+from statereg.engine.by_url import open_checkpoint, split_checkpoint_url
 from statereg.engine.load import KeyReport, LoadResult, missing_as_damage, read_records
 from statereg.engine.report import format_bytes, format_table
-from statereg.engine.world import World, attempt, raise_own
+from statereg.engine.world import World, caught, raise_own
 from statereg.errors import CheckpointMismatchError, CheckpointNotFoundError, SpecError
 from statereg.formats.files import open_model_files
 from statereg.formats.foreign import (
@@ -110,10 +110,10 @@ def load_model_from(path: str | os.PathLike[str], model: nn.Module, *,
     rule = PrefixSpec.model_validate(prefix) if isinstance(prefix, dict) else prefix
     apply, report = prepare_model(open_foreign(backend, name, kind),
                                   ModelAdapter("model", model, rule), strict)
-    with torch.no_grad():
-        _, error = attempt(apply)
-    if error is not None:  # DCP wraps a damaged item's error: raise statereg's own
-        raise_own(error, f"loading {backend.display(name)}", 0)
+    with torch.no_grad(), caught() as loading:
+        apply()
+    if loading.error is not None:  # DCP wraps a damaged item's error: raise statereg's own
+        raise_own(loading.error, f"loading {backend.display(name)}", 0)
     logger.warning("loaded %s into the model: %s; %s", backend.display(name), report,
                    FOREIGN_NOTE)
     return report
@@ -173,16 +173,18 @@ def load_foreign(backend: StorageBackend, name: str, kind: ForeignKind,
                 apply, reports[comp] = prepare_model(source, adapter, strict)
                 steps.append(apply)
 
-    _, error = attempt(prepare_all)
-    world.agree(error, f"checking {backend.display(name)}")
+    with caught() as checking:
+        prepare_all()
+    world.agree(checking.error, f"checking {backend.display(name)}")
 
     def apply_all() -> None:
         with torch.no_grad():
             for step in steps:
                 step()
 
-    _, error = attempt(apply_all)
-    world.agree(error, f"loading {backend.display(name)}")
+    with caught() as loading:
+        apply_all()
+    world.agree(loading.error, f"loading {backend.display(name)}")
     for comp, report in reports.items():
         logger.warning("loaded %s into %r: %s; %s", backend.display(name), comp, report,
                        FOREIGN_NOTE)
@@ -290,8 +292,10 @@ def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | Non
     cast = DTYPES[dtype] if dtype else None
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
-        tensors, error = attempt(source.read, names)
-        error = missing_as_damage(error, f"reading {backend.display(directory)}")
+        tensors: dict[str, torch.Tensor] = {}
+        with caught() as reading:
+            tensors = source.read(names)
+        error = missing_as_damage(reading.error, f"reading {backend.display(directory)}")
         if error is not None:  # DCP wraps a damaged item's CorruptCheckpointError: unwrap it
             raise_own(error, f"reading {backend.display(directory)}", 0)
         return tensors

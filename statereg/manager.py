@@ -12,6 +12,7 @@ from typing import Any
 from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend, url_scheme
 from statereg.declaration import load_spec
+from statereg.engine.by_url import split_checkpoint_url
 from statereg.engine.cadence import Cadence, CadenceReport
 from statereg.engine.checkpoints import (
     Committed,
@@ -22,7 +23,6 @@ from statereg.engine.checkpoints import (
     scan_root,
     step_of,
 )
-from statereg.engine.inspect import split_checkpoint_url
 from statereg.engine.load import LoadResult, load_checkpoint, select_components
 from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
 from statereg.engine.retention import best_checkpoints

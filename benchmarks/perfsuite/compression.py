@@ -27,7 +27,7 @@ from perfsuite.measure import PageCache, PeakRSS, Timing, fresh_dir, measure, te
 from perfsuite.peers import check_loaded
 from perfsuite.statereg_io import Saves, spec_for
 from perfsuite.workload import KINDS, TrainingState, tensor_kind
-from statereg.backends.dcp_io import load_dcp_metadata
+from statereg.dcp.metadata import load_dcp_metadata
 
 RATIO_KINDS = ("weights", "exp_avg", "exp_avg_sq")
 WORKER = Path(__file__).with_name("zipnn_worker.py")

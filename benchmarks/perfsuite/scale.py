@@ -7,8 +7,8 @@ benchmark only; the library is unchanged) and their time is summed per category:
 - plan: statereg reading the state and agreeing on it (`capture`, `check_consistency`,
   `check_replicas`) and the save planner (`StateregSavePlanner`: `set_up_planner`,
   `create_local_plan`, `create_global_plan`, `finish_plan`);
-- manifest: claiming the directory, DCP's `.metadata` (`BackendWriter.finish`), building and
-  committing the manifest, retention;
+- manifest: claiming the directory (`claim_checkpoint`), DCP's `.metadata`
+  (`BackendWriter.finish`), building and committing the manifest, retention;
 - checksums: every `update` of the per-file xxh3 hashers. These run in the writer threads,
   so this is thread time summed over threads, an upper bound on their share of wall time.
 
@@ -30,18 +30,20 @@ from torch import nn
 
 import statereg
 import statereg.backends.checksum as backend_checksum
-import statereg.engine.save as engine_save
-import statereg.manager as manager_module
+import statereg.engine.save_steps as engine_save
+import statereg.engine.saver as engine_saver
 from perfsuite.measure import PageCache, Timing, fresh_dir, measure
-from statereg.backends.dcp_io import BackendWriter
-from statereg.engine.layouts.dcp import StateregSavePlanner
+from statereg.dcp.planner import StateregSavePlanner
+from statereg.dcp.writer import BackendWriter
 
+# Each function is wrapped where its caller looks it up (the Saver calls capture and the
+# checks; save_steps calls the rest): tests/test_benchmarks.py checks every one is called.
 CATEGORIES = {
-    "plan": [(manager_module, "capture"), (manager_module, "check_consistency"),
-             (manager_module, "check_replicas"),
+    "plan": [(engine_saver, "capture"), (engine_saver, "check_consistency"),
+             (engine_saver, "check_replicas"),
              (StateregSavePlanner, "set_up_planner"), (StateregSavePlanner, "create_local_plan"),
              (StateregSavePlanner, "create_global_plan"), (StateregSavePlanner, "finish_plan")],
-    "manifest": [(engine_save, "_prepare_directory"), (BackendWriter, "finish"),
+    "manifest": [(engine_save, "claim_checkpoint"), (BackendWriter, "finish"),
                  (engine_save, "build_manifest"), (engine_save, "commit"),
                  (engine_save, "apply_retention")],
 }

@@ -1,4 +1,7 @@
-"""Storage: one backend per URL scheme over fsspec, and the glue that lets DCP write through it."""
+"""Storage, torch-free: one backend per URL scheme over fsspec, the registry, and checksums.
+
+How DCP writes tensors through a backend is `statereg.dcp`, one layer up.
+"""
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile

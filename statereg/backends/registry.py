@@ -1,25 +1,33 @@
 """Map a URL scheme to its backend class; third-party packages add backends by entry point.
 
 Callers never branch on the scheme: `open_backend(url, options)` is the whole surface.
+The built-in backends are known by class path (`KNOWN_BACKENDS`, as fsspec's
+`known_implementations`) and imported the first time a URL of their scheme is opened.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 from typing import Any
 
 import fsspec
 
-from statereg.backends.azure import AzureBackend
 from statereg.backends.base import StorageBackend
-from statereg.backends.gcs import GCSBackend
 from statereg.backends.local import READ_CACHE_MODES, LocalBackend, ReadCache
-from statereg.backends.memory import MemoryBackend
-from statereg.backends.s3 import S3Backend
-from statereg.backends.shm import SharedMemoryBackend
 from statereg.errors import SpecError
 
 ENTRY_POINT_GROUP = "statereg.backends"
+
+# The built-in backends, by scheme: "module:Class", imported on first use.
+KNOWN_BACKENDS: dict[str, str] = {
+    **dict.fromkeys(("", "file", "local"), "statereg.backends.local:LocalBackend"),
+    "memory": "statereg.backends.memory:MemoryBackend",
+    **dict.fromkeys(("s3", "s3a"), "statereg.backends.s3:S3Backend"),
+    **dict.fromkeys(("gs", "gcs"), "statereg.backends.gcs:GCSBackend"),
+    **dict.fromkeys(("az", "abfs", "abfss"), "statereg.backends.azure:AzureBackend"),
+    "shm": "statereg.backends.shm:SharedMemoryBackend",
+}
 
 _BACKENDS: dict[str, type[StorageBackend]] = {}
 
@@ -31,9 +39,14 @@ def register_backend(backend: type[StorageBackend]) -> type[StorageBackend]:
     return backend
 
 
-for _builtin in (LocalBackend, MemoryBackend, S3Backend, GCSBackend, AzureBackend,
-                 SharedMemoryBackend):
-    register_backend(_builtin)
+def _load_known(scheme: str) -> None:
+    """Import and register the built-in backend of `scheme` (KNOWN_BACKENDS)."""
+    module, _, name = KNOWN_BACKENDS[scheme].partition(":")
+    backend = getattr(importlib.import_module(module), name)
+    for own in backend.schemes:  # its other schemes too, unless something replaced them
+        _BACKENDS.setdefault(own, backend)
+
+
 _entry_points_loaded = False
 
 
@@ -66,6 +79,8 @@ def url_scheme(url: str) -> str:
 def backend_class(url: str) -> type[StorageBackend]:
     """The backend class for `url`: a registered one, else the generic fsspec backend."""
     scheme = url_scheme(url)
+    if scheme not in _BACKENDS and scheme in KNOWN_BACKENDS:
+        _load_known(scheme)
     if scheme not in _BACKENDS:
         _load_entry_points()
     if scheme in _BACKENDS:
@@ -75,7 +90,7 @@ def backend_class(url: str) -> type[StorageBackend]:
     raise SpecError(
         f"storage url {url!r}: no backend for scheme {scheme!r}; use a path, file://, memory://, "
         f"s3://, gs://, az:// or another fsspec protocol "
-        f"({', '.join(sorted(_BACKENDS))} registered)"
+        f"({', '.join(sorted(set(_BACKENDS) | set(KNOWN_BACKENDS)))} registered)"
     )
 
 

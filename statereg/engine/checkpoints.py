@@ -195,9 +195,6 @@ class RootScan:
         (all of `committed` when the scan did not check files)."""
         return [c for c in self.committed if c.name not in self.damaged]
 
-    def unreadable_steps(self) -> list[int]:
-        return sorted(step for step in map(step_of, self.unreadable) if step is not None)
-
     def might_reference(self, name: str) -> str | None:
         """The unreadable checkpoint that might read files of checkpoint `name`, if any.
 

@@ -20,14 +20,10 @@ from collections.abc import Iterator, Mapping
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import checksum_of, new_hasher
-from statereg.backends.dcp_io import (
-    METADATA_NAME,
-    Reusable,
-    item_checksums,
-    item_key,
-    load_dcp_metadata,
-    normalize_path,
-)
+from statereg.dcp import METADATA_NAME
+from statereg.dcp.fs import normalize_path
+from statereg.dcp.metadata import item_checksums, load_dcp_metadata
+from statereg.dcp.reuse import Reusable, item_key
 from statereg.engine.checkpoints import Committed, latest_committed, read_manifest_at
 from statereg.engine.claims import Claim
 from statereg.engine.verify import verify_files
@@ -102,7 +98,7 @@ class VerifiedReuse(Mapping[str, Reusable]):
     holds it was read whole and matched its recorded size and checksum.
 
     Checked lazily, once per file per save, when the DCP writer first asks for an item of
-    it (backends/dcp_io.py, BackendWriter._reference_unchanged): a rank reads only files it
+    it (dcp/writer.py, BackendWriter._reference_unchanged): a rank reads only files it
     references. A file that fails is not referenced: its items look absent, so the writer
     writes those tensors from memory, and the save commits a checkpoint that loads.
     """

@@ -23,14 +23,13 @@ import torch
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import (
     VerifiedReads,
-    check_file,
 )
 from statereg.engine.checkpoints import Committed
 from statereg.engine.layouts import LAYOUTS, KeyReport, ReadContext
-from statereg.engine.plan import Saved, compile_load
+from statereg.engine.plan import LoadTask, Saved, compile_load
 from statereg.engine.report import Progress, describe_rate
 from statereg.engine.verify import VerifyMode, verify_files
-from statereg.engine.world import World, attempt
+from statereg.engine.world import World, caught
 from statereg.errors import (
     CheckpointDeletedError,
     CheckpointMismatchError,
@@ -78,11 +77,6 @@ def select_components(declared: Iterable[str], committed: Committed, include: li
             f"{', '.join(committed.manifest.components)}); pass exclude={absent!r} to load the rest"
         )
     return chosen
-
-
-def check_checksum(where: str, record: FileRecord, data: bytes) -> None:
-    """Raise CorruptCheckpointError unless `data` has the checksum the manifest recorded."""
-    check_file(where, record, data)
 
 
 def read_records(manifest: Manifest, name: str, names: Iterable[str]) -> dict[str, FileRecord]:
@@ -181,12 +175,15 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     saved = {n: Saved(r.kind, r.sharing, r.format, manifest.world_size, tuple(r.files))
              for n, r in plain.components.items()}
     # Every rank compiles the same tasks from the same manifest, so all agree on a mismatch.
-    tasks, error = attempt(compile_load, spec, saved, names, world.layout, where)
-    world.agree(error, f"checking {where}")
+    tasks: dict[str, LoadTask] = {}
+    with caught() as compiling:
+        tasks = compile_load(spec, saved, names, world.layout, where)
+    world.agree(compiling.error, f"checking {where}")
     selected_files = {p for n in names for p in manifest.components[n].files}
     files = [f for f in manifest.files if f.path in selected_files]
-    _, error = attempt(_verify_share, backend, committed, files, verify, world)
-    _agree_unless_deleted(backend, committed.name, world, error, f"verifying {where}")
+    with caught() as verifying:
+        _verify_share(backend, committed, files, verify, world)
+    _agree_unless_deleted(backend, committed.name, world, verifying.error, f"verifying {where}")
     steps: list[tuple[str, Callable[[], None]]] = []
     pending: dict[str, Any] = {}
     keys: dict[str, KeyReport] = {}
@@ -204,9 +201,11 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     # leave the others waiting in the next component's collective.
     for name in (n for n in names if n not in deferred):
         task = tasks[name]
-        prepared, error = attempt(LAYOUTS[task.layout].prepare, task,
-                                  plain.components[name], adapters.get(name), ctx)
-        _agree_unless_deleted(backend, committed.name, world, error,
+        prepared = None
+        with caught() as preparing:
+            prepared = LAYOUTS[task.layout].prepare(task, plain.components[name],
+                                                    adapters.get(name), ctx)
+        _agree_unless_deleted(backend, committed.name, world, preparing.error,
                               f"checking {where} ({name})")
         steps.append((name, prepared.apply))
         if prepared.pending is not None:
@@ -219,8 +218,9 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
         for name, apply in steps:
             if touched is not None:
                 touched.add(name)
-            _, error = attempt(apply)
-            _agree_unless_deleted(backend, committed.name, world, error,
+            with caught() as applying:
+                apply()
+            _agree_unless_deleted(backend, committed.name, world, applying.error,
                                   f"loading {where} ({name})")
             progress.update(manifest.components[name].bytes)
     elapsed = time.perf_counter() - started

@@ -1,5 +1,6 @@
-"""The whole save pipeline of one run: capture, cross-rank checks, staging, the background
-write and the commit. The manager only hands it the plan and the live adapters.
+"""The Saver: the save pipeline of one run, across its saves (capture, cross-rank checks,
+staging, the background write and the commit); the steps of each save are save_steps.py.
+The manager only hands it the plan and the live adapters.
 
     save(step) -> capture (plan's tasks) -> check keys and replicas on every rank
                -> off:   write and commit now
@@ -21,7 +22,7 @@ from statereg.engine.checkpoints import checkpoint_name
 from statereg.engine.layouts import Captured
 from statereg.engine.layouts.dcp import SavePlans
 from statereg.engine.plan import RankPlan
-from statereg.engine.save import (
+from statereg.engine.save_steps import (
     capture,
     check_consistency,
     check_extra,
@@ -30,7 +31,7 @@ from statereg.engine.save import (
     summarize,
 )
 from statereg.engine.staging import LoopMark, StagingArea, mark_loop
-from statereg.engine.world import World, attempt
+from statereg.engine.world import World, caught
 from statereg.errors import SpecError
 from statereg.schemas.manifest import exact_int, int_text
 from statereg.schemas.spec import RegistrySpec
@@ -119,12 +120,14 @@ class Saver:
         self.wait()
         extra = check_extra(extra)
         world = self.world
-        captured, error = attempt(capture, plan, adapters)
+        captured: list[Captured] = []
         summary = None
-        if error is None:
-            summary, error = attempt(summarize, self.spec, captured, world.size)
+        with caught() as reading:
+            captured = capture(plan, adapters)
+            summary = summarize(self.spec, captured, world.size)
         # One collective: every rank's failure, declaration digest and replica digests.
-        summaries = world.gather_checked(summary, error, f"save of step {step}: reading state")
+        summaries = world.gather_checked(summary, reading.error,
+                                         f"save of step {step}: reading state")
         check_consistency(world, self.spec, captured, summaries)
         check_replicas(world, captured, summaries)
         args = (self.backend, self.spec)
@@ -203,8 +206,10 @@ class Saver:
     def _stage(self, captured: list[Captured], step: int, mark: LoopMark | None = None,
                ) -> list[Captured]:
         """Copy the tensors into the staging buffers; a failure on any rank fails every rank."""
-        staged, error = attempt(self._staging.stage, captured, mark)
-        self.world.agree(error, f"save of step {step}: copying state to host buffers")
+        staged = None
+        with caught() as copying:
+            staged = self._staging.stage(captured, mark)
+        self.world.agree(copying.error, f"save of step {step}: copying state to host buffers")
         return staged
 
     def wait_staged(self) -> None:

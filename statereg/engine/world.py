@@ -9,7 +9,8 @@ the training loop's on the default group.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -22,17 +23,41 @@ from statereg.errors import CorruptCheckpointError, SpecError, StateregError
 T = TypeVar("T")
 
 
-def attempt(fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
-    """Run fn, returning (result, error) so every rank can report before anyone raises.
+@dataclass
+class Outcome:
+    """How a block run under `caught()` ended: `error` is None when it completed."""
 
-    Catches BaseException because DCP's CheckpointException derives from it.
+    error: BaseException | None = None
+
+
+@contextmanager
+def caught() -> Iterator[Outcome]:
+    """Run the block, keeping its error in the yielded Outcome instead of raising it, so
+    every rank can report before anyone raises (`World.agree`, `World.gather_checked`):
+
+        with caught() as capturing:
+            captured = capture(plan, adapters)
+        world.agree(capturing.error, "reading state")
+
+    The block's calls read as calls (no function-and-arguments dispatch). Catches
+    BaseException because DCP's CheckpointException derives from it; KeyboardInterrupt and
+    SystemExit still propagate.
     """
+    outcome = Outcome()
     try:
-        return fn(*args), None
+        yield outcome
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:
-        return None, exc
+        outcome.error = exc
+
+
+def attempt(fn: Callable[..., T], *args: Any) -> tuple[T | None, BaseException | None]:
+    """fn(*args) as (result, None), or (None, its error): `caught()` for one call."""
+    result = None
+    with caught() as outcome:
+        result = fn(*args)
+    return result, outcome.error
 
 
 def describe(exc: BaseException) -> str:
@@ -181,7 +206,11 @@ class World:
         if not self.distributed:
             return fn(*args)
         leader = self.members(group)[0]
-        result, error = attempt(fn, *args) if self.rank == leader else (None, None)
+        result, error = None, None
+        if self.rank == leader:
+            with caught() as reading:
+                result = fn(*args)
+            error = reading.error
         shared = self.broadcast((result, None if error is None else _portable(error, leader)),
                                 src=leader, group=group)
         if error is not None:

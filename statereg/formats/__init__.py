@@ -1,6 +1,6 @@
 """Formats other than DCP, and interop with the tools people already use.
 
-- `files`: the hooks engine.save and engine.load call for components stored as whole files
+- `files`: the hooks engine.save_steps and engine.load call for components stored as whole files
   (`safetensors`, `torch`) and for small object state (`json`, `torch`);
 - `hf`: Hugging Face safetensors directories, written and read;
 - `torchfile`: the `torch` format (torch.save files, loaded with weights_only=True);

@@ -1,4 +1,4 @@
-"""Components stored as whole files: the hooks engine.save and engine.load call.
+"""Components stored as whole files: the hooks engine.save_steps and engine.load call.
 
 A model in format `safetensors` or `torch` is consolidated: every rank sends its shards, rank
 0 writes full tensors, and on load every rank takes its own slice. Small object state goes

@@ -16,17 +16,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from statereg.backends.base import StorageBackend
-from statereg.backends.dcp_io import METADATA_NAME, BackendReader, SafeLoadPlanner
+from statereg.dcp.quiet import single_process_dcp
+from statereg.dcp.reader import BackendReader, SafeLoadPlanner
 from statereg.errors import CheckpointMismatchError
 from statereg.formats.tensors import dcp_tensor_metas, nbytes
 from statereg.state.optimizer import OptimizerAdapter
 from statereg.state.protocols import TensorMeta
 
 _GROUPS = "param_groups."
-
-
-def is_dcp_dir(backend: StorageBackend, directory: str) -> bool:
-    return METADATA_NAME in backend.list_dir(directory)
 
 
 class DCPDirectory:
@@ -50,7 +47,9 @@ class DCPDirectory:
     def load(self, state: dict[str, Any]) -> None:
         """Fill `state` in place: tensors are copied into, other items replaced."""
         named = {self.prefix + k: v for k, v in state.items()}
-        dcp.load(named, storage_reader=self.reader, planner=SafeLoadPlanner(), no_dist=True)
+        with single_process_dcp():
+            dcp.load(named, storage_reader=self.reader, planner=SafeLoadPlanner(),
+                     no_dist=True)
         state.update({k: named[self.prefix + k] for k in state})
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:

@@ -145,10 +145,6 @@ def _entry_meta(where: str, name: str, entry: object) -> TensorMeta:
     return meta
 
 
-def is_safetensors_dir(backend: StorageBackend, directory: str) -> bool:
-    return any(n.endswith(SUFFIX) or n == INDEX_NAME for n in backend.list_dir(directory))
-
-
 class SafetensorsDirectory:
     """The safetensors files of one directory (one file, or shards with an index).
 

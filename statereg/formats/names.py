@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from statereg.dcp import METADATA_NAME
+
 # DCP's own names: one metadata file per checkpoint directory, data files per rank.
-DCP_METADATA_NAME = ".metadata"
+DCP_METADATA_NAME = METADATA_NAME
 DCP_DATA_SUFFIX = ".distcp"
 # An optimizer's param groups and scalar state, beside its DCP tensors.
 SIDECAR_NAME = "extra.json"

@@ -14,8 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from statereg.backends.base import StorageBackend
 from statereg.engine.checkpoints import read_manifest_at, scan_root, step_of
-from statereg.engine.copy import copy_checkpoint
 from statereg.engine.retention import apply_retention
+from statereg.engine.transfer import copy_checkpoint
 from statereg.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,

@@ -19,7 +19,7 @@ from storage_servers import S3_FAIL_FAST, free_port, gcs_options, s3_options
 from tiny_training import COMPONENTS, TinyRun, assert_identical
 
 import statereg
-import statereg.engine.save
+import statereg.engine.save_steps
 
 # Step 2's model files: under `writer-<token>/` on a store that needs one (the GCS emulator,
 # which ignores conditional creates).
@@ -78,14 +78,14 @@ def test_a_server_lost_before_the_manifest_keeps_the_last_checkpoint(
     saved = run.snapshot()
     run.train()
 
-    commit = statereg.engine.save.commit
+    commit = statereg.engine.save_steps.commit
 
     def server_dies_then_commit(*args: Any) -> None:
         proxy.down()
         commit(*args)
 
     with gcsfs_fails_fast(monkeypatch), monkeypatch.context() as patch:
-        patch.setattr(statereg.engine.save, "commit", server_dies_then_commit)
+        patch.setattr(statereg.engine.save_steps, "commit", server_dies_then_commit)
         with pytest.raises(statereg.StorageError) as failed:
             mgr.save(step=2)
     # The commit's first request fails: the check that this save still holds its claim.

@@ -21,9 +21,9 @@ from tiny_training import COMPONENTS, TinyRun, assert_identical, next_draws
 import statereg
 import statereg.backends.registry
 import statereg.cli
-import statereg.engine.copy
-import statereg.engine.inspect
-import statereg.engine.save
+import statereg.engine.by_url
+import statereg.engine.save_steps
+import statereg.engine.transfer
 
 COMPRESSION: dict[str, Any] = {}
 
@@ -222,7 +222,7 @@ def test_cp_of_a_damaged_checkpoint_commits_nothing(store, tmp_path, capsys):
 def test_an_interrupted_cp_leaves_no_manifest_and_a_retry_succeeds(store, tmp_path, monkeypatch):
     run = TinyRun(seed=0)
     url = manager(store, run).save(step=6)
-    src = statereg.engine.inspect.open_checkpoint(url, store.options)[0]
+    src = statereg.engine.by_url.open_checkpoint(url, store.options)[0]
     dst_root = tmp_path / "copy"
     dst = statereg.backends.registry.open_backend(str(dst_root))
     real_open = type(dst).open_write  # cp streams every file through open_write
@@ -237,10 +237,10 @@ def test_an_interrupted_cp_leaves_no_manifest_and_a_retry_succeeds(store, tmp_pa
     with monkeypatch.context() as patch:
         patch.setattr(type(dst), "open_write", dies_on_third_file)
         with pytest.raises(SimulatedCrash):
-            statereg.engine.copy.copy_checkpoint(src, "step_00000006", dst)
+            statereg.engine.transfer.copy_checkpoint(src, "step_00000006", dst)
     assert not list(dst_root.rglob("manifest.json"))
 
-    statereg.engine.copy.copy_checkpoint(src, "step_00000006", dst)
+    statereg.engine.transfer.copy_checkpoint(src, "step_00000006", dst)
     assert statereg.verify(str(dst_root / "step_00000006")).step == 6
 
 
@@ -261,7 +261,7 @@ def test_a_save_interrupted_before_its_manifest_is_invisible(store, monkeypatch)
         raise SimulatedCrash
 
     with monkeypatch.context() as patch:
-        patch.setattr(statereg.engine.save, "commit", crash)
+        patch.setattr(statereg.engine.save_steps, "commit", crash)
         with pytest.raises(SimulatedCrash):
             mgr.save(step=2)
     partial = [p for p in store.files() if p.startswith("step_00000002/")]

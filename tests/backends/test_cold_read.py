@@ -20,8 +20,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from statereg.backends import FileRecorder, open_backend
-from statereg.backends.dcp_io import BackendReader, BackendWriter, SafeLoadPlanner, load_in_place
 from statereg.backends.local import _DIRECT_CHUNK
+from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
+from statereg.dcp.writer import BackendWriter
 
 _SIZE = 2 * _DIRECT_CHUNK + 12345  # two whole chunks and an unaligned tail
 

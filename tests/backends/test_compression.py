@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import statereg
-from statereg.backends import codec
-from statereg.backends.dcp_io import load_dcp_metadata
-from statereg.backends.torch_private import storage_info
+from statereg.dcp import codec
+from statereg.dcp.metadata import load_dcp_metadata
+from statereg.dcp.torch_private import storage_info
 
 
 class Mixed(nn.Module):

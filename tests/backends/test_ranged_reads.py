@@ -19,14 +19,10 @@ import torch.distributed.checkpoint as dcp
 from storage_servers import OutageProxy, s3_options
 
 from statereg.backends import FileRecorder, open_backend
-from statereg.backends.codec import CompressionSettings
-from statereg.backends.dcp_io import (
-    BackendReader,
-    BackendWriter,
-    SafeLoadPlanner,
-    load_dcp_metadata,
-    load_in_place,
-)
+from statereg.dcp.codec import CompressionSettings
+from statereg.dcp.metadata import load_dcp_metadata
+from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
+from statereg.dcp.writer import BackendWriter
 from statereg.engine.world import attempt, raise_own
 from statereg.errors import CorruptCheckpointError
 

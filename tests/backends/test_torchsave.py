@@ -11,7 +11,7 @@ import zipfile
 import pytest
 import torch
 
-from statereg.backends import torchsave
+from statereg.dcp import torchsave
 
 
 def record(tensor: torch.Tensor, lead: bytes = b"lead") -> tuple[io.BytesIO, int, int]:
@@ -111,7 +111,8 @@ def test_statereg_records_pass_zip_integrity_checks_and_equal_torch_save(tmp_pat
     import torch.distributed.checkpoint as dcp
 
     from statereg.backends import FileRecorder, open_backend
-    from statereg.backends.dcp_io import BackendWriter, load_dcp_metadata
+    from statereg.dcp.metadata import load_dcp_metadata
+    from statereg.dcp.writer import BackendWriter
 
     state = {"w": torch.randn(129, 65), "h": torch.randn(4000).bfloat16(),
              "i": torch.arange(77, dtype=torch.int32), "extra": {"step": 1}}

@@ -1,5 +1,5 @@
 """What statereg writes survives a torch that changes its private classes, and every fallback
-of statereg/backends/torch_private.py works (docs/compatibility.md names this file)."""
+of statereg/dcp/torch_private.py works (docs/compatibility.md names this file)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
-from statereg.backends import FileRecorder, codec, open_backend
-from statereg.backends.dcp_io import BackendWriter, load_dcp_metadata
-from statereg.backends.torch_private import StorageInfo
+from statereg.backends import FileRecorder, open_backend
+from statereg.dcp import codec
+from statereg.dcp.metadata import load_dcp_metadata
+from statereg.dcp.torch_private import StorageInfo
+from statereg.dcp.writer import BackendWriter
 
 STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 
@@ -141,8 +143,10 @@ def test_statereg_works_on_a_torch_without_the_extension_registry(tmp_path):
         import sys
         import torch, torch.distributed.checkpoint as dcp
         sys.modules["torch.distributed.checkpoint._extension"] = None
-        from statereg.backends import FileRecorder, codec, open_backend, torch_private
-        from statereg.backends.dcp_io import BackendReader, BackendWriter, SafeLoadPlanner
+        from statereg.backends import FileRecorder, open_backend
+        from statereg.dcp import codec, torch_private
+        from statereg.dcp.reader import BackendReader, SafeLoadPlanner
+        from statereg.dcp.writer import BackendWriter
         from statereg.errors import StateregError
         assert not torch_private.EXTENSIONS_AVAILABLE
         backend = open_backend({str(tmp_path)!r})
@@ -171,7 +175,7 @@ def test_own_narrow_and_set_element_agree_with_the_private_torch_ones_they_repla
     # statereg no longer imports these; while this torch still has them, ours must agree.
     shard_utils = pytest.importorskip("torch.distributed._shard._utils")
     traverse = pytest.importorskip("torch.distributed.checkpoint._traverse")
-    from statereg.backends.dcp_io import _narrow, _set_element
+    from statereg.dcp.reader import _narrow, _set_element
 
     tensor = torch.arange(60.).reshape(5, 12)
     for offsets, lengths in [((0, 0), (5, 12)), ((1, 3), (2, 4)), ((4, 0), (1, 12))]:

@@ -23,9 +23,9 @@ from matrix import (
 )
 
 import statereg
-from statereg.backends.codec import CompressionSettings
 from statereg.backends.registry import open_backend
-from statereg.engine.copy import Recompress, copy_checkpoint
+from statereg.dcp.codec import CompressionSettings
+from statereg.engine.transfer import Recompress, copy_checkpoint
 
 RECOMPRESS: dict[str, Recompress] = {
     "keep": "keep", "none": None,

@@ -24,7 +24,7 @@ from matrix import (
 
 import statereg
 from statereg.backends.registry import open_backend
-from statereg.engine.copy import copy_checkpoint
+from statereg.engine.transfer import copy_checkpoint
 
 WORLD = 2
 STEPS = ((1, 1), (2, 1), (3, 1), (4, 2))  # (step, seed of the values it saves)

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import statereg
-from statereg.backends.dcp_io import load_dcp_metadata
+from statereg.dcp.metadata import load_dcp_metadata
 from statereg.errors import CorruptCheckpointError, StateregError
 
 RANKS = 4

@@ -25,7 +25,7 @@ from harness import run_ranks
 from torch import nn
 
 import statereg
-from statereg.engine.layouts.dcp import StateregSavePlanner
+from statereg.dcp.planner import StateregSavePlanner
 
 COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
                "scatter_object_list", "all_gather", "broadcast", "gather", "scatter",

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import statereg
 import statereg.cli
-from statereg.backends.dcp_io import load_dcp_metadata
+from statereg.dcp.metadata import load_dcp_metadata
 
 
 class FineTune(nn.Module):

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 import statereg
-from statereg.engine.layouts.dcp import StateregSavePlanner
+from statereg.dcp.planner import StateregSavePlanner
 
 
 def flat_tensors() -> dict[str, Any]:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import statereg
-import statereg.engine.save
+import statereg.engine.save_steps
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import HashingWriter
 from statereg.backends.local import LocalBackend
@@ -233,14 +233,14 @@ def arm(point: str, marker: str, rank: int = 0) -> None:
 
         cls.remove_tree = remove_tree  # type: ignore[method-assign]
 
-    original_commit = statereg.engine.save.commit
+    original_commit = statereg.engine.save_steps.commit
 
     def commit(*args: Any, **kwargs: Any) -> Any:
         if point == "after_tensor_files":
             _die(point, marker)
         return original_commit(*args, **kwargs)
 
-    statereg.engine.save.commit = commit
+    statereg.engine.save_steps.commit = commit
 
     if point in ("mid_tensor_file", "first_save_mid_tensor_file"):
         _arm_multipart(victim, point, marker)

@@ -24,7 +24,7 @@ from crash_driver import _clone
 from torch import nn
 
 import statereg
-import statereg.engine.save
+import statereg.engine.save_steps
 from statereg import cli
 from statereg.backends.base import StorageBackend
 from statereg.engine.claims import Claim
@@ -230,7 +230,7 @@ def killed_at(point: str, backend: StorageBackend, victim: str) -> Iterator[thre
 
     original_open, original_bytes = backend.open_write, backend.write_bytes
     original_remove = backend.remove_file
-    original_commit = statereg.engine.save.commit
+    original_commit = statereg.engine.save_steps.commit
     original_release = Claim.release
 
     def open_write(path: str, on_done: Any = None) -> Any:
@@ -283,14 +283,14 @@ def killed_at(point: str, backend: StorageBackend, victim: str) -> Iterator[thre
     backend.open_write = open_write  # type: ignore[method-assign]
     backend.write_bytes = write_bytes  # type: ignore[method-assign]
     backend.remove_file = remove_file  # type: ignore[method-assign]
-    statereg.engine.save.commit = commit
+    statereg.engine.save_steps.commit = commit
     Claim.release = release  # type: ignore[method-assign]
     try:
         yield fired
     finally:
         for name in ("open_write", "write_bytes", "remove_file"):
             backend.__dict__.pop(name, None)
-        statereg.engine.save.commit = original_commit
+        statereg.engine.save_steps.commit = original_commit
         Claim.release = original_release  # type: ignore[method-assign]
 
 

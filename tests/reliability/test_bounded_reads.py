@@ -27,8 +27,8 @@ from reliability_kit import rewrite_manifest
 from torch import nn
 
 import statereg
-from statereg.backends.dcp_io import ITEM_CHECKSUMS, load_dcp_metadata
 from statereg.cli import main as cli
+from statereg.dcp.metadata import ITEM_CHECKSUMS, load_dcp_metadata
 
 
 def save_model(root: Path, compression: str, width: int = 32) -> str:

@@ -18,7 +18,7 @@ from crash_driver import SINGLE_COMPONENTS, TinyState, declaration
 from reliability_kit import assert_identical, committed_names, forkserver
 
 import statereg
-import statereg.engine.save
+import statereg.engine.save_steps
 from statereg.backends.registry import open_backend
 from statereg.engine import claims as claims_module
 from statereg.engine.checkpoints import read_latest, read_manifest_at
@@ -171,7 +171,7 @@ class StalledSaver:
 
     def __init__(self, decl: dict, monkeypatch: pytest.MonkeyPatch) -> None:
         stalled, self._resume = threading.Event(), threading.Event()
-        commit = statereg.engine.save.commit
+        commit = statereg.engine.save_steps.commit
 
         def stalling_commit(*args: Any) -> None:
             if threading.current_thread().name == "saver-a":
@@ -179,7 +179,7 @@ class StalledSaver:
                 self._resume.wait(30)
             commit(*args)
 
-        monkeypatch.setattr(statereg.engine.save, "commit", stalling_commit)
+        monkeypatch.setattr(statereg.engine.save_steps, "commit", stalling_commit)
         self._outcome: queue.Queue = queue.Queue()
 
         def saver_a() -> None:

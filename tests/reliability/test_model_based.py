@@ -60,8 +60,8 @@ from storage_servers import new_bucket, s3_options
 import statereg
 from statereg.backends.registry import open_backend
 from statereg.engine.checkpoints import checkpoint_name, step_of
-from statereg.engine.copy import copy_checkpoint
 from statereg.engine.gc import collect_garbage, find_leftovers
+from statereg.engine.transfer import copy_checkpoint
 
 STEPS = int(os.environ.get("STATEREG_MODEL_STEPS", "20"))
 SEED = os.environ.get("STATEREG_MODEL_SEED")

@@ -13,11 +13,11 @@ from reliability_kit import assert_identical, write_manifest
 from torch import nn
 
 import statereg
-import statereg.engine.save
+import statereg.engine.save_steps
 from statereg.backends.registry import open_backend
 from statereg.engine.claims import Claim
-from statereg.engine.copy import copy_checkpoint
 from statereg.engine.gc import collect_garbage
+from statereg.engine.transfer import copy_checkpoint
 from statereg.errors import CheckpointDeletedError
 
 
@@ -147,11 +147,11 @@ def run_during_write(monkeypatch: pytest.MonkeyPatch, action: Any) -> None:
     """Run `action` in another thread once the next save has written its data files: what a
     second process does meanwhile (the thread makes this process's claim look like a live
     save's, as another process's would)."""
-    write = statereg.engine.save.write_components
+    write = statereg.engine.save_steps.write_components
 
     def write_then_act(*args: Any, **kwargs: Any) -> Any:
         files = write(*args, **kwargs)
-        monkeypatch.setattr(statereg.engine.save, "write_components", write)
+        monkeypatch.setattr(statereg.engine.save_steps, "write_components", write)
         errors: list[BaseException] = []
 
         def act() -> None:
@@ -167,7 +167,7 @@ def run_during_write(monkeypatch: pytest.MonkeyPatch, action: Any) -> None:
             raise errors[0]
         return files
 
-    monkeypatch.setattr(statereg.engine.save, "write_components", write_then_act)
+    monkeypatch.setattr(statereg.engine.save_steps, "write_components", write_then_act)
 
 
 def test_another_jobs_retention_keeps_the_files_a_running_save_reuses(store, monkeypatch):

@@ -18,7 +18,7 @@ import statereg
 import statereg.schemas.manifest
 from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend
-from statereg.engine.save import MAX_EXTRA_BYTES
+from statereg.engine.save_steps import MAX_EXTRA_BYTES
 from statereg.schemas.manifest import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH
 
 

@@ -10,7 +10,8 @@ import torch
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder
-from statereg.backends.codec import CompressionSettings
+from statereg.dcp.codec import CompressionSettings
+from statereg.dcp.writer import WriteReport
 from statereg.engine.plan import LoadTask, Task
 from statereg.engine.world import World
 from statereg.errors import SpecError
@@ -127,9 +128,9 @@ class LayoutExecutor(Protocol):
         """This rank's state of the component (no copy of tensors)."""
         ...
 
-    def write(self, item: Captured, ctx: WriteContext) -> Any:
+    def write(self, item: Captured, ctx: WriteContext) -> WriteReport | None:
         """Write this rank's files of the component except `item.blobs` (the caller writes
-        those); returns what an incremental save learns (or None)."""
+        those); returns what DCP's writer did (what an incremental save learns), or None."""
         ...
 
     def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,15 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import xxhash
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -34,24 +28,18 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     ReadItem,
     SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
 )
 from torch.futures import Future
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile
-from statereg.backends.dcp_io import (
-    METADATA_NAME,
-    BackendReader,
-    BackendWriter,
-    ItemReports,
-    SafeLoadPlanner,
-    load_dcp_metadata,
-    pack_results,
-    unpack_results,
-)
+from statereg.dcp import METADATA_NAME
+from statereg.dcp.metadata import load_dcp_metadata
+from statereg.dcp.planner import PLAIN_TENSOR_TYPES, StateregSavePlanner, plan_digest
+from statereg.dcp.quiet import single_process_dcp
+from statereg.dcp.reader import BackendReader, SafeLoadPlanner
+from statereg.dcp.reports import ItemReports, pack_results, unpack_results
+from statereg.dcp.writer import BackendWriter, WriteReport
 from statereg.engine.layouts.base import (
     Captured,
     Prepared,
@@ -62,121 +50,11 @@ from statereg.engine.layouts.base import (
     require_object,
 )
 from statereg.engine.plan import WORLD, LoadTask, Task
-from statereg.engine.world import World, attempt, unwrap_alone
+from statereg.engine.world import World, caught, unwrap_alone
 from statereg.formats.jsonstate import decode_state, encode_state
 from statereg.formats.names import SIDECAR_NAME
 from statereg.formats.tensors import dcp_tensor_metas
 from statereg.schemas.manifest import ComponentRecord, FileRecord
-
-# Exactly these types are whole local tensors to DCP (DTensor and ShardedTensor subclass Tensor).
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def _whole_tensor_index(fqn: str, offsets: torch.Size) -> MetadataIndex:
-    """MetadataIndex(fqn, offsets, 0), sharing `offsets` (its __init__ copies it per index).
-
-    Index hint 0: the tensor's one chunk, as DCP's global plan would set it.
-    """
-    index = MetadataIndex(fqn, None, 0)
-    object.__setattr__(index, "offset", offsets)  # frozen: set as its own __init__ does
-    return index
-
-
-class StateregSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, with a fast path for a flat dict of plain tensors.
-
-    statereg's model and optimizer components are flat `name -> tensor` dicts of whole
-    tensors. For them flattening is the identity, each tensor is one item, and a single
-    plan (one process) has nothing to deduplicate or to validate for overlaps, so the plan
-    and metadata are built directly, each tensor visited once. Tensors of one shape and
-    dtype share their write data and storage metadata (nothing changes either after
-    planning), so `.metadata` pickles each shape once instead of once per tensor. The plan
-    and metadata equal DefaultSavePlanner's.
-    Anything else (nested state, DTensor, objects) and plans gathered from several ranks
-    take DefaultSavePlanner's path: deduplication and validation across ranks stay.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._plain = False
-
-    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
-                       is_coordinator: bool = False) -> None:
-        self._plain = all(type(key) is str and type(value) in _PLAIN_TENSOR_TYPES
-                          for key, value in state_dict.items())
-        if not self._plain:
-            super().set_up_planner(state_dict, storage_meta, is_coordinator)
-            return
-        # What flatten_state_dict returns for a flat dict of tensors: itself, keys as paths.
-        self.state_dict = dict(state_dict)
-        self.mappings = {key: (key,) for key in state_dict}
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        if not self._plain:
-            return super().create_local_plan()
-        shared: dict[tuple[Any, ...], TensorWriteData] = {}
-        items = []
-        for fqn, tensor in self.state_dict.items():
-            size = tensor.size()
-            key = (size, tensor.dtype, tensor.layout, tensor.requires_grad, tensor.is_pinned())
-            data = shared.get(key)
-            if data is None:
-                offsets = torch.Size([0] * len(size))
-                data = shared[key] = TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=size),
-                    properties=TensorProperties.create_from_tensor(tensor), size=size)
-            items.append(WriteItem(index=_whole_tensor_index(fqn, data.chunk.offsets),
-                                   type=WriteItemType.TENSOR, tensor_data=data))
-        self.plan = SavePlan(items, planner_data=self.mappings)
-        return self.plan
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if not (self._plain and len(all_plans) == 1):
-            return self._default_global_plan(all_plans)
-        plan = all_plans[0]
-        md: dict[str, Any] = {}
-        shared: dict[int, TensorStorageMetadata] = {}
-        for item in plan.items:
-            data = item.tensor_data
-            if item.type != WriteItemType.TENSOR or data is None or item.index.fqn in md:
-                return self._default_global_plan(all_plans)  # not a plan of ours
-            stored = shared.get(id(data))
-            if stored is None:
-                stored = shared[id(data)] = TensorStorageMetadata(
-                    properties=data.properties, size=data.size, chunks=[data.chunk])
-            md[item.index.fqn] = stored
-        self.global_plan = all_plans
-        self.metadata = Metadata(md, planner_data=dict(plan.planner_data or {}))
-        return all_plans, self.metadata
-
-    def _default_global_plan(self, all_plans: list[SavePlan],
-                             ) -> tuple[list[SavePlan], Metadata]:
-        """DCP's global plan, with `.metadata`'s entries in the order the state had, not in
-        the order deduplication left: rank 0's items first, as its state dict listed them.
-        A load fills each object in that order (AdamW's per-parameter state comes back as
-        step, exp_avg, exp_avg_sq, as an uninterrupted run has it, not shuffled by which rank
-        wrote which moment)."""
-        plans, metadata = super().create_global_plan(all_plans)
-        order: dict[str, int] = {}
-        for plan in all_plans:
-            for item in plan.items:
-                order.setdefault(item.index.fqn, len(order))
-        entries = metadata.state_dict_metadata
-        metadata.state_dict_metadata = dict(sorted(
-            entries.items(), key=lambda entry: order.get(entry[0], len(order))))
-        return plans, metadata
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        if self._plain:
-            return self.state_dict[write_item.index.fqn]
-        return super().resolve_data(write_item)
-
-
-def plan_digest(plan: SavePlan) -> str:
-    """A digest of a local save plan: equal digests on every rank, equal global plans."""
-    return xxhash.xxh3_128_hexdigest(
-        pickle.dumps((plan.items, plan.planner_data), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 @dataclass
@@ -197,7 +75,7 @@ class SavePlans:
     """DCP save plans of one job, reused while every rank plans what it planned last time.
 
     Before its writes, a save digests each rank's local plan of every DCP component over the
-    whole world or alone (`digest`); engine/save.py gathers the digests with the claim's
+    whole world or alone (`digest`); engine/save_steps.py gathers the digests with the claim's
     agreement, one collective for all components. A component whose digests on every rank
     equal those of its last committed save skips DCP's planning collectives: each rank
     writes its kept final plan, sends its packed write results to the coordinator with the
@@ -260,7 +138,7 @@ class SavePlans:
         writer.set_up_storage_writer(planner.is_coordinator)
         writer.prepare_local_plan(planner.plan)  # the directory, as DCP's writer makes it
         writer.write_data(planner.finish_plan(kept.plan), planner).wait()
-        reports = pack_results([item.index for item in kept.plan.items], writer.written)
+        reports = pack_results([item.index for item in kept.plan.items], writer.report.written)
         self._learned[component] = dataclasses.replace(kept, reports=reports)
         if component in self._alone:
             self._write_metadata(component, writer, [reports.to_send(kept.reports)])
@@ -276,13 +154,13 @@ class SavePlans:
             return
         kept = _KeptPlan(digests, planner.plan,
                          pack_results([item.index for item in planner.plan.items],
-                                      writer.written))
+                                      writer.report.written))
         if planner.is_coordinator:
             # Its tensors and planner data; locations and digests are each save's own.
             kept.metadata = dataclasses.replace(planner.metadata, storage_data=None)
             kept.members = [[item.index for item in plan.items] for plan in planner.global_plan]
             kept.member_reports = [pack_results(indices, results) for indices, results
-                                   in zip(kept.members, writer.finished, strict=True)]
+                                   in zip(kept.members, writer.report.finished, strict=True)]
         self._learned[component] = kept
 
     def finish(self, gathered: list[dict[str, ItemReports]]) -> list[WrittenFile]:
@@ -316,7 +194,7 @@ class SavePlans:
 
 @dataclass
 class PlannedWriteContext(WriteContext):
-    """A WriteContext with the job's kept DCP save plans (engine/save.py builds it)."""
+    """A WriteContext with the job's kept DCP save plans (engine/save_steps.py builds it)."""
 
     plans: SavePlans | None = None
 
@@ -334,7 +212,7 @@ class DCPLayout:
                 state.sidecar, f"component {task.component!r}")
         return item
 
-    def write(self, item: Captured, ctx: WriteContext) -> BackendWriter:
+    def write(self, item: Captured, ctx: WriteContext) -> WriteReport:
         task = item.task
         group = ctx.world.process_group(task.collective)
         writer = BackendWriter(ctx.backend, f"{ctx.name}/{task.directory}", ctx.recorder,
@@ -344,13 +222,14 @@ class DCPLayout:
         plans = ctx.plans if isinstance(ctx, PlannedWriteContext) else None
         if plans is not None and plans.writes_again(task.component):
             plans.write_again(task.component, writer)
-            return writer
+            return writer.report
         planner = StateregSavePlanner()
-        dcp.save(item.tensors, storage_writer=writer, planner=planner,
-                 process_group=group, no_dist=group is None)
+        with single_process_dcp():
+            dcp.save(item.tensors, storage_writer=writer, planner=planner,
+                     process_group=group, no_dist=group is None)
         if plans is not None:
             plans.learn(task.component, planner, writer)
-        return writer
+        return writer.report
 
     def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
                 ctx: ReadContext) -> Prepared:
@@ -365,8 +244,10 @@ class DCPLayout:
             sidecar_bytes = ctx.read_once(f"{directory}/{SIDECAR_NAME}", task.collective)
         metadata = ctx.read_once(f"{directory}/{METADATA_NAME}", task.collective)
         reader = GroupReader(ctx.backend, directory, ctx.records, metadata, ctx.world, group)
-        found, error = attempt(_checked_targets, task, record, adapter, ctx, reader,
-                               sidecar_bytes)
+        found = None
+        with caught() as checking:
+            found = _checked_targets(task, record, adapter, ctx, reader, sidecar_bytes)
+        error = checking.error
         if group is None:
             if error is not None:
                 raise error
@@ -383,8 +264,9 @@ class DCPLayout:
             # plans over the collective and each rank reads the items it needs.
             alone = reader.shared or group is None
             try:
-                dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(),
-                         process_group=None if alone else group, no_dist=alone)
+                with single_process_dcp():
+                    dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(),
+                             process_group=None if alone else group, no_dist=alone)
             except BaseException as exc:
                 inner = unwrap_alone(exc) if alone else exc
                 if inner is exc:
@@ -420,7 +302,7 @@ def _fingerprint(targets: dict[str, Any]) -> str | None:
     described = []
     for key, value in targets.items():
         if isinstance(value, torch.Tensor):
-            if type(value) not in _PLAIN_TENSOR_TYPES:
+            if type(value) not in PLAIN_TENSOR_TYPES:
                 return None
             described.append((key, "tensor", tuple(value.shape), str(value.dtype)))
         else:
@@ -498,8 +380,9 @@ class GroupReader(BackendReader):
         rank = self.world.rank
         mine = [i for path, items in per_file.items() if owners[path] == rank for i in items]
         keeper = _KeepBytes(planner)
-        _, error = attempt(super().read_data, dataclasses.replace(plan, items=mine), keeper)
-        self.world.agree(error, f"reading {self.source.display(self.path)}", self.group)
+        with caught() as reading:
+            super().read_data(dataclasses.replace(plan, items=mine), keeper)
+        self.world.agree(reading.error, f"reading {self.source.display(self.path)}", self.group)
         for path in sorted(per_file):
             items = sorted(per_file[path], key=lambda i: self.storage_data[i.storage_index].offset)
             for item in items:

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 import torch
 
-from statereg.backends.device_reads import DeviceLanding
+from statereg.dcp.device_reads import DeviceLanding
 from statereg.errors import CorruptCheckpointError
 
 _STORAGE_DTYPES = {

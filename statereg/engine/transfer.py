@@ -25,21 +25,18 @@ from statereg.backends.checksum import (
     missing,
     verify_stream,
 )
-from statereg.backends.codec import CompressionSettings
-from statereg.backends.dcp_io import (
-    METADATA_NAME,
-    BackendReader,
-    BackendWriter,
-    SafeLoadPlanner,
-    load_in_place,
-)
+from statereg.dcp import METADATA_NAME
+from statereg.dcp.codec import CompressionSettings
+from statereg.dcp.quiet import single_process_dcp
+from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
+from statereg.dcp.writer import BackendWriter
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of
 from statereg.engine.claims import claim_checkpoint, claim_scope
 from statereg.engine.load import read_records
 from statereg.engine.publish import commit
 from statereg.engine.report import Progress
-from statereg.engine.save import file_codec
-from statereg.engine.world import attempt, raise_own
+from statereg.engine.save_steps import file_codec
+from statereg.engine.world import caught, raise_own
 from statereg.schemas.manifest import FileRecord, Manifest
 
 logger = logging.getLogger("statereg")
@@ -97,11 +94,13 @@ def _rewrite_dcp(src: StorageBackend, src_dir: str, records: dict[str, FileRecor
     reader = BackendReader(cast(StorageBackend, VerifiedReads(src, records)), src_dir,
                            records=records)
     reader.verify_unchecked(reader.read_metadata())
-    _, error = attempt(load_in_place, state, reader, _LoadEverything())
-    if error is not None:  # DCP wraps failures in a BaseException; raise the real one
-        raise_own(error, f"reading {src.display(src_dir)}", 0)
+    with caught() as reading:
+        load_in_place(state, reader, _LoadEverything())
+    if reading.error is not None:  # DCP wraps failures in a BaseException; raise the real one
+        raise_own(reading.error, f"reading {src.display(src_dir)}", 0)
     writer = BackendWriter(dst, dst_dir, recorder, thread_count=2, compression=compression)
-    dcp.save(state, storage_writer=writer, no_dist=True)
+    with single_process_dcp():
+        dcp.save(state, storage_writer=writer, no_dist=True)
 
 
 def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,

@@ -1,5 +1,5 @@
-"""Execute a save: capture what the plan says, check it across ranks, write every file through
-its layout, then commit.
+"""The steps of one save: capture what the plan says, check it across ranks, write every file
+through its layout, then commit.
 
 The async pipeline around these steps (staging, the background thread) is engine/saver.py.
 """
@@ -19,7 +19,9 @@ import torch
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, WrittenFile, new_hasher
-from statereg.backends.codec import CompressionSettings
+from statereg.dcp.codec import CompressionSettings
+from statereg.dcp.reports import ItemReports
+from statereg.dcp.writer import WriteReport
 from statereg.engine.checkpoints import Committed, checkpoint_name
 from statereg.engine.claims import Claim, claim_checkpoint, claim_scope
 from statereg.engine.incremental import (
@@ -34,7 +36,7 @@ from statereg.engine.plan import RankPlan
 from statereg.engine.publish import commit
 from statereg.engine.report import Progress, describe_rate
 from statereg.engine.retention import apply_retention
-from statereg.engine.world import World, attempt, describe, raise_own
+from statereg.engine.world import World, caught, describe, raise_own
 from statereg.errors import CheckpointMismatchError, SpecError, StateregError
 from statereg.schemas.manifest import (
     FORMAT_VERSION,
@@ -270,6 +272,30 @@ class IncrementalState:
     referenced: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank sends rank 0 after writing, for the manifest: its files (relative to the
+    directory the components were written in), an incremental save's item digests and the
+    earlier files it references, and the packed item reports of DCP components written by
+    kept plans (rank 0 writes their `.metadata`: layouts/dcp.py SavePlans)."""
+
+    files: list[WrittenFile]
+    digests: dict[str, str] = field(default_factory=dict)
+    referenced: set[str] = field(default_factory=set)
+    item_reports: dict[str, ItemReports] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """What one save records beside its files: the manifest's step, tokens and extra, and the
+    world size it was saved at."""
+
+    step: int
+    tokens_seen: int | None
+    extra: dict[str, Any]
+    world_size: int
+
+
 def write_components(backend: StorageBackend, name: str, captured: list[Captured],
                      storage: StorageSpec, world: World, progress: Progress,
                      incremental: IncrementalState | None = None,
@@ -293,25 +319,25 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
     ctx = PlannedWriteContext(backend, name, world, recorder, compression_settings(storage),
                               reuse, plans)
 
-    def write(item: Captured) -> Any:
-        learned = LAYOUTS[item.task.layout].write(item, ctx)
+    def write(item: Captured) -> WriteReport | None:
+        report = LAYOUTS[item.task.layout].write(item, ctx)
         for path, data in item.blobs.items():
             recorder.add(backend.write_bytes(f"{name}/{path}", data))
         progress.update(item.nbytes)
-        return learned
+        return report
 
     if len(captured) > 1 and all(world.process_group(item.task.collective) is None
                                  for item in captured):
         with ThreadPoolExecutor(len(captured), thread_name_prefix="statereg-component") as pool:
-            learned = list(pool.map(write, captured))
+            reports = list(pool.map(write, captured))
     else:
-        learned = [write(item) for item in captured]
+        reports = [write(item) for item in captured]
     if incremental is not None:
-        for item, writer in zip(captured, learned, strict=True):
-            if writer is not None:
+        for item, report in zip(captured, reports, strict=True):
+            if report is not None:
                 incremental.digests.update(
-                    {f"{item.task.directory}/{key}": d for key, d in writer.digests.items()})
-                incremental.referenced |= writer.referenced
+                    {f"{item.task.directory}/{key}": d for key, d in report.digests.items()})
+                incremental.referenced |= report.referenced
     prefix = f"{name}/"
     return [WrittenFile(f.path.removeprefix(prefix), f.size, f.checksum) for f in recorder.files()]
 
@@ -408,16 +434,19 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
     shown = backend.display(name)
     claim: Claim | None = None  # rank 0's, which commits
     writer: str | None = None
-    digests, error = attempt(plans.digest, captured, world.rank) if plans else ({}, None)
-    if world.rank == 0 and error is None:
-        # Refuses a committed step or one another live save holds; clears leftovers of an
-        # interrupted save of it. commit() checks the claim is still this save's.
-        claim, error = attempt(claim_checkpoint, backend, name)
-        if claim is not None and not claim.exclusive:
-            # A second saver of this step may get past its claim on this store: every file
-            # goes under this save's own writer directory, named by its claim's token.
-            writer = claim.info.token
-    gathered = world.gather_checked((digests, writer), error, f"save of {name}")
+    digests: dict[str, str] = {}
+    with caught() as claiming:
+        if plans is not None:
+            digests = plans.digest(captured, world.rank)
+        if world.rank == 0:
+            # Refuses a committed step or one another live save holds; clears leftovers of an
+            # interrupted save of it. commit() checks the claim is still this save's.
+            claim = claim_checkpoint(backend, name)
+            if not claim.exclusive:
+                # A second saver of this step may get past its claim on this store: every
+                # file goes under this save's own writer directory, named by its claim's token.
+                writer = claim.info.token
+    gathered = world.gather_checked((digests, writer), claiming.error, f"save of {name}")
     writer = gathered[0][1]
     data_dir = f"{name}/{WRITER_DIR_PREFIX}{writer}" if writer else name
     if plans is not None:
@@ -428,12 +457,18 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
         # Rank 0 picks the base and records it in its claim (retention keeps what a live
         # claim names); every rank references the same one.
         incremental = IncrementalState(world.from_leader(hold_previous, backend, claim))
-    with Progress(total, f"save {name}") as progress:
-        files, error = attempt(write_components, backend, data_dir, captured, spec.storage,
-                               world, progress, incremental, plans)
-    report = None if error is not None else (
-        files, incremental and (incremental.digests, incremental.referenced),
-        plans.outgoing if plans is not None else {})
+    files: list[WrittenFile] = []
+    with Progress(total, f"save {name}") as progress, caught() as writing:
+        files = write_components(backend, data_dir, captured, spec.storage, world, progress,
+                                 incremental, plans)
+    error = writing.error
+    report = None
+    if error is None:
+        report = RankReport(
+            files,
+            digests=incremental.digests if incremental is not None else {},
+            referenced=incremental.referenced if incremental is not None else set(),
+            item_reports=plans.outgoing if plans is not None else {})
     reports = world.gather_on_leader((None if error is None else describe(error), report))
     failure = commit_error = committed = None
     if world.rank == 0:
@@ -443,10 +478,13 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
             lines = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
             failure = f"writing {shown} failed on {len(failed)} of {world.size} ranks ({lines})"
         else:
-            committed, commit_error = attempt(_commit_reports, backend, spec, captured, name,
-                                              [r for _, r in reports], step, tokens_seen,
-                                              extra, world.size, claim, incremental, plans,
-                                              writer)
+            request = SaveRequest(step, tokens_seen, extra, world.size)
+            with caught() as committing:
+                committed = _commit_reports(backend, spec, captured, name, request,
+                                            [theirs for _, theirs in reports], claim=claim,
+                                            incremental=incremental, plans=plans,
+                                            writer=writer)
+            commit_error = committing.error
             if commit_error is not None:
                 failure = (f"committing {shown} failed on 1 of {world.size} ranks "
                            f"(rank 0: {describe(commit_error)})")
@@ -473,25 +511,24 @@ def _save_checkpoint(backend: StorageBackend, spec: RegistrySpec,
 
 
 def _commit_reports(backend: StorageBackend, spec: RegistrySpec, captured: list[Captured],
-                    name: str, reports: list[Any], step: int, tokens_seen: int | None,
-                    extra: dict[str, Any], world_size: int, claim: Claim | None,
-                    incremental: IncrementalState | None,
-                    plans: SavePlans | None, writer: str | None = None) -> Committed:
+                    name: str, request: SaveRequest, reports: list[RankReport], *,
+                    claim: Claim | None, incremental: IncrementalState | None,
+                    plans: SavePlans | None, writer: str | None) -> Committed:
     """On rank 0: the `.metadata` of components written by kept plans, then the manifest of
     every rank's files, committed."""
-    written = plans.finish([outgoing for _, _, outgoing in reports]) if plans else []
+    written = plans.finish([r.item_reports for r in reports]) if plans else []
     prefix = f"{name}/{WRITER_DIR_PREFIX}{writer}/" if writer else f"{name}/"
     written = [WrittenFile(f.path.removeprefix(prefix), f.size, f.checksum) for f in written]
-    every_file = sorted({f.path: f for files, _, _ in reports for f in [*files, *written]}
+    every_file = sorted({f.path: f for r in reports for f in [*r.files, *written]}
                         .values(), key=lambda f: f.path)
-    manifest = build_manifest(spec, captured, every_file, step, tokens_seen, extra, world_size,
-                              writer)
+    manifest = build_manifest(spec, captured, every_file, request.step, request.tokens_seen,
+                              request.extra, request.world_size, writer)
     previous = incremental.previous if incremental is not None else None
     if incremental is not None:
-        referenced = {path for _, (_, paths), _ in reports for path in paths}
+        referenced = {path for r in reports for path in r.referenced}
         manifest = manifest.model_copy(update={
             "references": reference_records(previous, referenced),
-            "digests": {k: v for _, (digests, _), _ in reports for k, v in digests.items()},
+            "digests": {k: v for r in reports for k, v in r.digests.items()},
         })
     _check_then_commit(backend, name, manifest, claim, previous)
     return Committed(name, manifest)
