@@ -3,8 +3,10 @@
 # time, chunk i with STATEREG_MODEL_SEED=BASE+i (hypothesis draws other sequences per seed).
 # Usage: scripts/model_long.sh [CHUNKS=100] [PER=100] [JOBS=2] [BASE=1000]
 # Runs from a snapshot of HEAD (git archive), so edits made meanwhile do not change the run;
-# roots live under BASETEMP (default /dev/shm: the model's thousands of fsyncs and unlinks,
-# not statereg, set the pace on disk), one folder per chunk, removed when it passed.
+# roots live under BASETEMP (default /dev/shm/statereg-model-long: on tmpfs, since the
+# model's thousands of fsyncs and unlinks, not statereg, set the pace on disk; one folder
+# there, so tests that watch /dev/shm for leftovers while this runs see nothing new), one
+# folder per chunk, removed when it passed.
 # Prints one line per chunk and a total; a failing chunk's output stays in its log.
 set -u
 CHUNKS=${1:-100} PER=${2:-100} JOBS=${3:-2} BASE=${4:-1000}
@@ -29,7 +31,8 @@ chunk() {
   fi
 }
 export -f chunk
-BASETEMP=${BASETEMP:-/dev/shm}
+BASETEMP=${BASETEMP:-/dev/shm/statereg-model-long}
+mkdir -p "$BASETEMP"
 export BASE PER PY work BASETEMP
 seq 0 $(( CHUNKS - 1 )) | xargs -P "$JOBS" -I{} bash -c 'chunk {}' | tee "$work/summary.txt"
 passed=$(grep -c "passed" "$work/summary.txt")
