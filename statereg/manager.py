@@ -362,21 +362,10 @@ class CheckpointManager:
             include = include or chosen.include
         self.wait()
         if path is None and step is None and self._tiers is not None:
-            unusable: set[int] = set()
-            while (nearest := self._tiers.nearest(frozenset(unusable))) is not None:
-                try:
-                    return self._load_committed(*nearest, include, exclude, strict, verify)
-                except SpecError:
-                    raise  # the request itself is wrong: every copy would refuse it
-                except StateregError as exc:
-                    # Damaged, deleted meanwhile, or a peer node that failed, lied or stalled
-                    # (a StorageError naming it; other ranks get the agreed error): a memory
-                    # copy is a cache of storage.url. The next copy loads the same components,
-                    # so it overwrites whatever this one touched: an older memory step, else
-                    # storage.url.
-                    logger.warning("memory copy %s unusable (%s); trying the next nearest copy",
-                                   nearest[0].display(nearest[1].name), exc)
-                    unusable.add(nearest[1].manifest.step)
+            restored = self._tiers.resume(lambda backend, committed: self._load_committed(
+                backend, committed, include, exclude, strict, verify))
+            if restored is not None:
+                return restored
         try:
             resolved = self._resolve(path, step, storage_options)
         except CheckpointNotFoundError:

@@ -28,15 +28,17 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.shm import SharedMemoryBackend, node_name
 from statereg.engine.checkpoints import Committed
+from statereg.engine.load import LoadResult
 from statereg.engine.plan import RankPlan, compile_plan
 from statereg.engine.saver import SaveHandle, Saver
 from statereg.engine.world import World, attempt
-from statereg.errors import StateregError, StorageError
+from statereg.errors import SpecError, StateregError, StorageError
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.protocols import TensorState
 from statereg.tiers.drain import Drainer
@@ -331,6 +333,27 @@ class TierEngine:
         """The memory copy to resume from, or None to resume from storage.url (collective):
         tiers/restore.py. Steps in `unusable` (a load of them failed) are passed over."""
         return self._restorer.nearest(unusable, before=self._retention.join)
+
+    def resume(self, load: Callable[[StorageBackend, Committed], LoadResult],
+               ) -> LoadResult | None:
+        """Resume from the nearest usable memory copy (collective): `load` each in turn,
+        nearest first, and return the first that loads; None when none does, and the caller
+        resumes from storage.url. A memory copy is a cache of storage.url: one that is
+        damaged, deleted meanwhile, or whose reads fail (a peer node that stalled or lied: a
+        StorageError naming it; other ranks get the agreed error) is passed over. The next
+        copy loads the same components, so it overwrites whatever a failed one touched. A
+        SpecError is the request's own fault: every copy would refuse it."""
+        unusable: set[int] = set()
+        while (nearest := self.nearest(frozenset(unusable))) is not None:
+            try:
+                return load(*nearest)
+            except SpecError:
+                raise
+            except StateregError as exc:
+                logger.warning("memory copy %s unusable (%s); trying the next nearest copy",
+                               nearest[0].display(nearest[1].name), exc)
+                unusable.add(nearest[1].manifest.step)
+        return None
 
     # -- on a signal --------------------------------------------------------------------
 
