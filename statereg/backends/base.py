@@ -13,7 +13,6 @@ import hashlib
 import importlib.util
 import io
 import logging
-import os
 import re
 import threading
 import uuid
@@ -27,6 +26,7 @@ import fsspec
 import fsspec.asyn
 import fsspec.spec
 
+from statereg import env
 from statereg.backends.checksum import (
     VERIFY_BLOCK,
     HashingWriter,
@@ -88,12 +88,13 @@ def expand_env(options: dict[str, Any]) -> dict[str, Any]:
 
             def sub(match: re.Match[str]) -> str:
                 name = match.group(1)
-                if name not in os.environ:
+                value = env.named(name)
+                if value is None:
                     raise StorageError(
                         f"storage.options refers to ${{{name}}}, but the environment variable "
                         f"{name} is not set; export it or remove the reference"
                     )
-                return os.environ[name]
+                return value
 
             return _ENV_REF.sub(sub, value)
         if isinstance(value, dict):
