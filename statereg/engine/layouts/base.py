@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore, StorageBackend
 from statereg.backends.checksum import FileRecorder
 from statereg.dcp.codec import CompressionSettings
 from statereg.dcp.writer import WriteReport
@@ -60,7 +60,7 @@ class ReadContext:
     it is read; they also spare a size request per file.
     """
 
-    backend: StorageBackend
+    backend: ReadableStore
     name: str
     world: World
     records: Mapping[str, FileRecord] | None

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore
 from statereg.backends.checksum import FileRecorder, WrittenFile
 from statereg.dcp import METADATA_NAME
 from statereg.dcp.metadata import load_dcp_metadata
@@ -349,7 +349,7 @@ class GroupReader(BackendReader):
     on every rank before anything is sent (a damaged item: CorruptCheckpointError on all).
     """
 
-    def __init__(self, backend: StorageBackend, path: str,
+    def __init__(self, backend: ReadableStore, path: str,
                  records: Mapping[str, FileRecord] | None, metadata: bytes, world: World,
                  group: Any) -> None:
         super().__init__(backend, path, records=records)
