@@ -14,10 +14,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from statereg import env
 from statereg.errors import SpecError
 from statereg.schemas.spec import RegistrySpec
 
-ENV_PREFIX = "STATEREG_"
+ENV_PREFIX = env.SPEC_PREFIX
 ENV_NESTING = "__"
 
 
@@ -188,8 +189,8 @@ def load_spec(
         raise SpecError(
             f"{label}: the declaration must be a mapping with 'storage' and 'components'"
         )
-    env = _env_overrides(os.environ if environ is None else environ)
-    for dotted, value in env.items():
+    given = _env_overrides(env.spec_overrides() if environ is None else environ)
+    for dotted, value in given.items():
         _set_dotted(data, dotted, value, f"{label} (from {ENV_PREFIX}{dotted.upper()})")
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value, f"{label} (override {dotted})")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore, StorageBackend
 from statereg.backends.checksum import VerifiedReads
 from statereg.backends.registry import open_backend, url_scheme
 from statereg.dcp import METADATA_NAME
@@ -276,7 +276,7 @@ def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | Non
     data_dir = ckpt.manifest.data_dir(ckpt.name)  # under writer-<token>/ where it has one
     directory = f"{data_dir}/{name}"
     # Every byte exported is checked against the manifest as it is read, as a load does.
-    verified: Any = VerifiedReads(backend, read_records(ckpt.manifest.without_writer(),
+    verified: ReadableStore = VerifiedReads(backend, read_records(ckpt.manifest.without_writer(),
                                                         data_dir, [name]))
     if record.format == "dcp":
         source: TensorSource | TorchFile = DCPDirectory(verified, directory)

@@ -40,7 +40,6 @@ from statereg.errors import (
 from statereg.interop import ForeignKind, detect_foreign, load_foreign
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.factory import build_adapters, check_objects
-from statereg.state.model import ModelAdapter
 from statereg.state.protocols import TensorState
 from statereg.tiers.engine import TierEngine
 from statereg.tiers.signals import SignalGuard
@@ -64,9 +63,10 @@ def _lint(spec: RegistrySpec, adapters: dict[str, Any], rank: int) -> None:
     (tensors sharded across ranks in a component declared as one copy); say once (rank 0)
     which buffers a `trainable_only` model leaves out of its checkpoints."""
     for name, adapter in adapters.items():
-        if isinstance(adapter, TensorState):
-            check_live_sharing(name, spec.components[name], adapter.sharded_keys())
-        left_out = adapter.unsaved_buffers() if isinstance(adapter, ModelAdapter) else []
+        if not isinstance(adapter, TensorState):
+            continue
+        check_live_sharing(name, spec.components[name], adapter.sharded_keys())
+        left_out = adapter.unsaved_buffers()
         if left_out and rank == 0:
             more = f" and {len(left_out) - 3} more" if len(left_out) > 3 else ""
             logger.warning(

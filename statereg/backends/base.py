@@ -13,7 +13,6 @@ import hashlib
 import importlib.util
 import io
 import logging
-import os
 import re
 import threading
 import uuid
@@ -21,12 +20,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import IO, Any, ClassVar
+from typing import IO, Any, ClassVar, Protocol
 
 import fsspec
 import fsspec.asyn
 import fsspec.spec
 
+from statereg import env
 from statereg.backends.checksum import (
     VERIFY_BLOCK,
     HashingWriter,
@@ -88,12 +88,13 @@ def expand_env(options: dict[str, Any]) -> dict[str, Any]:
 
             def sub(match: re.Match[str]) -> str:
                 name = match.group(1)
-                if name not in os.environ:
+                value = env.named(name)
+                if value is None:
                     raise StorageError(
                         f"storage.options refers to ${{{name}}}, but the environment variable "
                         f"{name} is not set; export it or remove the reference"
                     )
-                return os.environ[name]
+                return value
 
             return _ENV_REF.sub(sub, value)
         if isinstance(value, dict):
@@ -247,6 +248,43 @@ class _RangeReads(PositionedReads):
 # What a failed storage call most often needs, unless its error says otherwise.
 _CHECK_ACCESS = ("Check that the storage is reachable and the credentials in storage.options "
                  "allow it")
+
+
+class ReadableStore(Protocol):
+    """What a load reads a checkpoint through: the layouts, DCP's readers (BackendReader,
+    GroupReader, BackendFileSystem's reads) and the model-file readers (safetensors, torch
+    files) call these and nothing else. A StorageBackend meets it, and so does
+    checksum.VerifiedReads, which checks each whole-file read against the manifest."""
+
+    # Files read at once unless storage.io_threads says otherwise.
+    default_io_threads: int
+    # Whether ranks that need the same bytes have one rank read them and broadcast them.
+    broadcast_reads: bool
+
+    def display(self, path: str = "") -> str:
+        """The file's URL, for messages."""
+        ...
+
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The whole file (at most its first `limit` bytes); FileNotFoundError if missing."""
+        ...
+
+    def open_read(self, path: str, size: int | None = None,
+                  ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A seekable stream over the whole file."""
+        ...
+
+    def for_reading(self, nbytes: int) -> StorageBackend:
+        """The backend one load that reads `nbytes` in all reads its byte ranges through."""
+        ...
+
+    def exists(self, path: str) -> bool:
+        """Whether the file exists."""
+        ...
+
+    def list_dir(self, path: str = "") -> list[str]:
+        """Names of the entries directly under `path`; empty if it does not exist."""
+        ...
 
 
 class StorageBackend:

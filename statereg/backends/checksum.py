@@ -14,11 +14,14 @@ import io
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import xxhash
 
 from statereg.errors import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    from statereg.backends.base import StorageBackend
 
 # Files are verified in blocks of this size, so memory stays bounded whatever a file holds.
 VERIFY_BLOCK = 8 << 20
@@ -108,17 +111,40 @@ class VerifiedReads:
 
     `read_bytes` of a file the manifest records reads at most one byte more than its
     recorded size and raises CorruptCheckpointError (naming the file) on any difference,
-    before the caller sees the bytes; every other method is the backend's own. The engine
-    hands this to the layouts at load time, so every reader of whole files (object state,
-    sidecars, DCP metadata, torch and safetensors model files) is verified without knowing.
+    before the caller sees the bytes; the rest of `base.ReadableStore`, what readers call,
+    is the backend's own. The engine hands this to the layouts at load time, so every reader
+    of whole files (object state, sidecars, DCP metadata, torch and safetensors model files)
+    is verified without knowing. DCP items are read in ranges through `for_reading`'s
+    backend and checked against their own digests (dcp/reader.py).
     """
 
-    def __init__(self, backend: Any, records: Mapping[str, Recorded]) -> None:
+    def __init__(self, backend: StorageBackend, records: Mapping[str, Recorded]) -> None:
         self._backend = backend
         self.records = records
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
+    @property
+    def default_io_threads(self) -> int:
+        return self._backend.default_io_threads
+
+    @property
+    def broadcast_reads(self) -> bool:
+        return self._backend.broadcast_reads
+
+    def display(self, path: str = "") -> str:
+        return self._backend.display(path)
+
+    def open_read(self, path: str, size: int | None = None,
+                  ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        return self._backend.open_read(path, size)
+
+    def for_reading(self, nbytes: int) -> StorageBackend:
+        return self._backend.for_reading(nbytes)
+
+    def exists(self, path: str) -> bool:
+        return self._backend.exists(path)
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self._backend.list_dir(path)
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         record = self.records.get(path)

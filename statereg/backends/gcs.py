@@ -6,9 +6,9 @@ gcsfs is imported only when a gs:// root is opened, so statereg works without it
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
+from statereg import env
 from statereg.backends.base import StorageBackend
 
 logger = logging.getLogger("statereg")
@@ -55,7 +55,7 @@ def _warn_if_probing_emulator(fs: Any, options: dict[str, Any]) -> None:
 
     Each operation then waits for that lookup to time out (about a minute), so say why.
     """
-    custom_endpoint = options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST")
+    custom_endpoint = options.get("endpoint_url") or env.storage_emulator_host()
     if custom_endpoint and type(fs).__name__ == "ExtendedGcsFileSystem":
         logger.warning(
             "gcsfs's experimental bucket-type lookup is on while storage.options.endpoint_url "

@@ -30,13 +30,14 @@ import socket
 import stat
 from typing import Any
 
+from statereg import env
 from statereg.backends.local import LocalBackend
 from statereg.errors import SpecError, StorageError
 
 logger = logging.getLogger("statereg")
 
-SHM_DIR_ENV = "STATEREG_SHM_DIR"
-NODE_ENV = "STATEREG_NODE"
+SHM_DIR_ENV = env.SHM_DIR
+NODE_ENV = env.NODE
 DEFAULT_SHM_DIR = "/dev/shm"
 _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 # The folder under a root where a checkpoint retired by retention waits to have its files'
@@ -51,12 +52,12 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 
 def shm_dir() -> str:
     """The shared-memory folder: $STATEREG_SHM_DIR, else /dev/shm."""
-    return os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR
+    return env.shm_dir() or DEFAULT_SHM_DIR
 
 
 def node_name() -> str:
     """This node's name: $STATEREG_NODE (a simulated node), else the host name."""
-    return _SAFE.sub("_", os.environ.get(NODE_ENV) or socket.gethostname()) or "node"
+    return _SAFE.sub("_", env.node() or socket.gethostname()) or "node"
 
 
 def free_bytes(path: str) -> int:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore, StorageBackend
 from statereg.backends.checksum import FileRecorder, HashingWriter
 from statereg.errors import CorruptCheckpointError
 
@@ -33,10 +33,12 @@ def normalize_path(path: str) -> str:
 
 
 class BackendFileSystem(FileSystemBase):
-    """DCP's FileSystemBase over a StorageBackend; paths are relative to the backend root."""
+    """DCP's FileSystemBase over a StorageBackend; paths are relative to the backend root.
 
-    def __init__(self, backend: StorageBackend, recorder: FileRecorder | None = None,
-                 sizes: dict[str, int] | None = None) -> None:
+    A reader (dcp/reader.py) passes a ReadableStore and only reads through it."""
+
+    def __init__(self, backend: StorageBackend | ReadableStore,
+                 recorder: FileRecorder | None = None, sizes: dict[str, int] | None = None) -> None:
         self.backend = backend
         self.recorder = recorder
         self.sizes = sizes or {}  # file sizes known from the manifest, by path

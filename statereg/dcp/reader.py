@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore, StorageBackend
 from statereg.backends.checksum import Recorded, VerifiedReads, verify_stream
 from statereg.dcp import METADATA_NAME, codec, torchsave
 from statereg.dcp.device_reads import DeviceLanding
@@ -60,7 +60,7 @@ class BackendReader(FileSystemReader):
     verified backend (export, inspect, copy) checks what it reads.
     """
 
-    def __init__(self, backend: StorageBackend, path: str, thread_count: int | None = None,
+    def __init__(self, backend: ReadableStore, path: str, thread_count: int | None = None,
                  records: Mapping[str, Recorded] | None = None) -> None:
         super().__init__(path)
         if records is None and isinstance(backend, VerifiedReads):

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from statereg import env
 from statereg.backends.base import StorageBackend
 from statereg.engine.checkpoints import (
     read_manifest_at,
@@ -49,7 +50,8 @@ CLAIM_PREFIX = ".claim-"
 _CLAIM_NAME = re.compile(r"^\.claim-(\d{5,})$")
 _CLAIM_TEMPORARY = re.compile(r"^\.claim-\d{5,}\.tmp-")
 # A claim nobody renewed for this long is stale (its saver died on another host).
-CLAIM_LEASE_S = float(os.environ.get("STATEREG_CLAIM_LEASE_S", "120"))
+# $STATEREG_CLAIM_LEASE_S sets it (read as each claim is taken).
+CLAIM_LEASE_S = 120.0
 _CLAIM_ATTEMPTS = 5
 
 
@@ -421,6 +423,7 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
     and deleted itself once this saver holds the directory. Too many of them in a row is a
     StorageError naming them.
     """
+    lease_s = env.claim_lease_s(CLAIM_LEASE_S)
     hidden: list[int] = []
     attempts = 0
     while attempts < _CLAIM_ATTEMPTS:
@@ -434,7 +437,7 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
                 raise CheckpointInProgressError(
                     f"{backend.display(name)} is being saved by {why}; two saves of one step "
                     "cannot both commit. Save a different step, or wait for that save; a claim "
-                    f"whose process is gone lapses {CLAIM_LEASE_S:.0f} s after its last renewal"
+                    f"whose process is gone lapses {lease_s:.0f} s after its last renewal"
                 )
             number = numbers[-1] + 1
         if hidden and hidden[-1] >= number:
@@ -442,7 +445,7 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
         now = time.time()
         info = ClaimInfo(token=uuid.uuid4().hex, host=socket.gethostname(), host_id=_HOST_ID,
                          pid=os.getpid(), thread=threading.current_thread().name,
-                         started_at=now, renewed_at=now, lease_s=CLAIM_LEASE_S)
+                         started_at=now, renewed_at=now, lease_s=lease_s)
         claim = Claim(backend, name, number, info)
         # Registered before the claim file exists: another thread of this process that
         # lists it meanwhile must see a live save, not "an earlier save of this process

@@ -16,11 +16,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore, StorageBackend
 from statereg.backends.checksum import (
     VerifiedReads,
 )
@@ -193,7 +193,7 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     # Every byte read from here on is checked against the manifest as it is read (whole
     # files by their checksums, DCP items by their digests), unless verify is off.
     records = read_records(plain, data_dir, names) if verify != "off" else None
-    reader = backend if records is None else cast(StorageBackend, VerifiedReads(backend, records))
+    reader: ReadableStore = backend if records is None else VerifiedReads(backend, records)
     ctx = ReadContext(reader, data_dir, world, records, strict)
 
     # Layouts read for their collective once and broadcast (ReadContext.read_once,

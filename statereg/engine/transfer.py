@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -91,8 +91,7 @@ def _rewrite_dcp(src: StorageBackend, src_dir: str, records: dict[str, FileRecor
     """Load every item of one DCP directory, each checked as it is read, and write it again
     with `compression`."""
     state: dict[str, Any] = {}
-    reader = BackendReader(cast(StorageBackend, VerifiedReads(src, records)), src_dir,
-                           records=records)
+    reader = BackendReader(VerifiedReads(src, records), src_dir, records=records)
     reader.verify_unchecked(reader.read_metadata())
     with caught() as reading:
         load_in_place(state, reader, _LoadEverything())

@@ -52,14 +52,6 @@ def caught() -> Iterator[Outcome]:
         outcome.error = exc
 
 
-def attempt(fn: Callable[..., T], *args: Any) -> tuple[T | None, BaseException | None]:
-    """fn(*args) as (result, None), or (None, its error): `caught()` for one call."""
-    result = None
-    with caught() as outcome:
-        result = fn(*args)
-    return result, outcome.error
-
-
 def describe(exc: BaseException) -> str:
     """One line naming an error's type and its message's first line, as the other ranks see
     it in a failure report (DCP's CheckpointException: each failed rank's own error)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore, StorageBackend
 from statereg.backends.checksum import WrittenFile
 from statereg.formats.hf import SafetensorsDirectory, write_safetensors
 from statereg.formats.jsonstate import decode_state, encode_state
@@ -57,7 +57,7 @@ def write_model_files(backend: StorageBackend, directory: str, fmt: Format,
         on_written(backend.write_bytes(f"{directory}/{TORCH_MODEL_NAME}", buffer.getvalue()))
 
 
-def open_model_files(backend: StorageBackend, directory: str, fmt: Format,
+def open_model_files(backend: ReadableStore, directory: str, fmt: Format,
                      read: Callable[[str], bytes] | None = None,
                      ) -> SafetensorsDirectory | TorchFile:
     """The model files of `directory`; `read(path)` reads a whole file for every rank (once

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore
 from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner
 from statereg.errors import CheckpointMismatchError
@@ -33,7 +33,7 @@ class DCPDirectory:
     `model`). Every rank plans its own reads (no collective): a DTensor takes its own shard.
     """
 
-    def __init__(self, backend: StorageBackend, directory: str, prefix: str = "") -> None:
+    def __init__(self, backend: ReadableStore, directory: str, prefix: str = "") -> None:
         self.reader = BackendReader(backend, directory)
         self.prefix = prefix
         metadata = self.reader.read_metadata()

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import safetensors.torch
 import torch
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore, StorageBackend
 from statereg.backends.checksum import WrittenFile
 from statereg.errors import CheckpointNotFoundError, CorruptCheckpointError
 from statereg.formats.names import (
@@ -94,7 +94,7 @@ def write_safetensors(backend: StorageBackend, directory: str, metas: dict[str, 
         on_written(backend.write_bytes(join(directory, INDEX_NAME), data))
 
 
-def _read_header(backend: StorageBackend, path: str) -> dict:
+def _read_header(backend: ReadableStore, path: str) -> dict:
     """The JSON header of a safetensors file: 8 bytes of length, then the header."""
     where = backend.display(path)
     with backend.open_read(path) as stream:
@@ -151,7 +151,7 @@ class SafetensorsDirectory:
     Reading the headers is cheap; tensors are read one file at a time.
     """
 
-    def __init__(self, backend: StorageBackend, directory: str) -> None:
+    def __init__(self, backend: ReadableStore, directory: str) -> None:
         self.backend = backend
         self.directory = directory
         self.metas: dict[str, TensorMeta] = {}

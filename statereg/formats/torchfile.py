@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore
 from statereg.errors import CorruptCheckpointError, SpecError
 from statereg.formats.tensors import copy_full_into, tensor_meta
 from statereg.state.protocols import TensorMeta
@@ -56,7 +56,7 @@ def decode_torch(data: bytes, where: str) -> Any:
 class TorchFile:
     """A model's full state dict in one torch.save file, read once and kept until loaded."""
 
-    def __init__(self, backend: StorageBackend, path: str, data: bytes | None = None) -> None:
+    def __init__(self, backend: ReadableStore, path: str, data: bytes | None = None) -> None:
         """`data`: the file's bytes when the caller has them (read once for all ranks)."""
         where = backend.display(path)
         state = decode_torch(backend.read_bytes(path) if data is None else data, where)

@@ -35,6 +35,9 @@ class ObjectTensors:
     def sharded_keys(self) -> list[str]:
         return sharded_keys_of(self._objects.capture())
 
+    def unsaved_buffers(self) -> list[str]:
+        return []  # the object's whole state dict is saved
+
     def load_targets(self, stored: dict[str, TensorMeta], meta: dict[str, Any], strict: bool,
                      sidecar: dict[str, Any] | None) -> dict[str, Any]:
         return self._objects.capture()

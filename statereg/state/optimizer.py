@@ -90,6 +90,9 @@ class OptimizerAdapter:
     def sharded_keys(self) -> list[str]:
         return sharded_keys_of(self.capture().tensors)
 
+    def unsaved_buffers(self) -> list[str]:
+        return []  # an optimizer's whole state is saved
+
     def _check_groups(self, saved_groups: list[dict[str, Any]]) -> None:
         names = self._names_by_param()
         current = self.optimizer.param_groups

@@ -44,6 +44,11 @@ class TensorState(Protocol):
         """Keys whose tensors are split over ranks (DTensor shards), for the plan's lint."""
         ...
 
+    def unsaved_buffers(self) -> list[str]:
+        """Live buffers the checkpoints leave out (a `trainable_only` model's), which a load
+        leaves as they are; the manager warns about them once. Empty for other state."""
+        ...
+
     def load_targets(self, stored: dict[str, TensorMeta], meta: dict[str, Any], strict: bool,
                      sidecar: dict[str, Any] | None) -> dict[str, Any]:
         """Tensors to load into, after checking every key, shape and dtype against the

@@ -37,7 +37,7 @@ from statereg.engine.checkpoints import Committed
 from statereg.engine.load import LoadResult
 from statereg.engine.plan import RankPlan, compile_plan
 from statereg.engine.saver import SaveHandle, Saver
-from statereg.engine.world import World, attempt
+from statereg.engine.world import World, caught
 from statereg.errors import SpecError, StateregError, StorageError
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.protocols import TensorState
@@ -111,9 +111,10 @@ class TierEngine:
         self.lock = JobLock(self.memory.root, self.memory.url)
         needed = (self.tiers.memory.keep_last + 1) * node_bytes(
             self.nodes, rank_bytes(spec, world, adapters), self.node, self.replicate)
-        _, error = attempt(self._prepare_memory, needed)
+        with caught() as preparing:
+            self._prepare_memory(needed)
         try:
-            world.agree(error, f"opening the memory tier {self.memory.url}")
+            world.agree(preparing.error, f"opening the memory tier {self.memory.url}")
         except BaseException:
             self.lock.release()
             raise
@@ -155,8 +156,11 @@ class TierEngine:
         loopback address, where the nodes do not share one network namespace) is refused
         before anything listens, and each leader then reaches its neighbours' servers once,
         so a wrong address is an error here instead of a replica or drain failing later."""
-        found, error = attempt(peer_address) if self.leads else (None, None)
-        self.world.agree(error, "finding this node's peer address")
+        found = None
+        with caught() as finding:
+            if self.leads:
+                found = peer_address()
+        self.world.agree(finding.error, "finding this node's peer address")
         everyone = self.world.all_gather((found, network_namespace()))
         spaces = {space for _, space in everyone}
         if len(spaces) != 1 or None in spaces:  # really several machines (or unknown)
@@ -173,22 +177,21 @@ class TierEngine:
                         f"${GLOO_IFNAME_ENV} names; setting ${GLOO_IFNAME_ENV} alone also "
                         "works), or fix the host name's entry in /etc/hosts")
 
-        def serve() -> tuple[str, bytes] | None:
-            if not self.leads:
-                return None
-            self._server = PeerServer(self.memory, host=found[0])
-            return self._server.url, self._server.secret
-        served, error = attempt(serve)
-        self.world.agree(error, "starting the memory tier's peer server")
+        served: tuple[str, bytes] | None = None
+        with caught() as serving:
+            if self.leads:
+                self._server = PeerServer(self.memory, host=found[0])
+                served = self._server.url, self._server.secret
+        self.world.agree(serving.error, "starting the memory tier's peer server")
         servers = self.world.all_gather(served)
         count = self.nodes.count
         self._peer_nodes[:] = [(self.node + k) % count for k in range(1, count)]
         peers = [open_peer(*servers[self.nodes.leader(n)]) for n in self._peer_nodes]
 
-        def reach() -> None:  # the next node's server and the previous one's
-            if not self.leads:
-                return
-            for node in {self._peer_nodes[0], self._peer_nodes[-1]}:
+        # Each leader reaches the next node's server and the previous one's.
+        neighbours = {self._peer_nodes[0], self._peer_nodes[-1]} if self.leads else set()
+        with caught() as reaching:
+            for node in neighbours:
                 url, secret = servers[self.nodes.leader(node)]
                 try:
                     open_peer(url, secret, _PING_TIMEOUT_S).ping()
@@ -199,9 +202,8 @@ class TierEngine:
                         f"this node reaches (the address of the interface gloo uses, "
                         f"${GLOO_IFNAME_ENV}), and let its port range through any firewall "
                         "between the nodes") from exc
-        _, error = attempt(reach)
         try:
-            self.world.agree(error, "reaching the neighbouring nodes' peer servers")
+            self.world.agree(reaching.error, "reaching the neighbouring nodes' peer servers")
         except BaseException:
             if self._server is not None:
                 self._server.close()

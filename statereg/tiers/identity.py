@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from statereg import env
 
 if TYPE_CHECKING:
     from statereg.engine.world import World
     from statereg.schemas.spec import RegistrySpec
 
-RUN_ID_ENV = "STATEREG_RUN_ID"
+RUN_ID_ENV = env.RUN_ID
 IDENTITY_NAME = "identity.json"
 # Room for what is not a tensor (manifests, JSON state, DCP metadata): the allowance both the
 # refusal at construction and `statereg plan` add to a checkpoint's tensor bytes.
@@ -32,7 +33,7 @@ _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
 def run_id(spec: RegistrySpec) -> str:
     """$STATEREG_RUN_ID, else `run-` and a digest of storage.url."""
-    given = os.environ.get(RUN_ID_ENV)
+    given = env.run_id()
     if given:
         return _SAFE.sub("_", given)
     return "run-" + hashlib.sha256(spec.storage.url.encode()).hexdigest()[:12]

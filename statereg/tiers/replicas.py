@@ -13,11 +13,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from statereg.backends.base import StorageBackend
 from statereg.engine.checkpoints import MANIFEST_SUM_NAME
-from statereg.engine.world import World, attempt
+from statereg.engine.world import World, caught
 from statereg.errors import StateregError
 from statereg.schemas.manifest import MANIFEST_NAME, FileRecord, parse_manifest
 from statereg.tiers.identity import Nodes
@@ -56,27 +55,29 @@ class Replicas:
         node's retention may delete. A failure here costs the replica, never the save."""
         self.join()
 
-        def rank_zero() -> tuple[bytes, bytes, str | None]:
-            return (self.memory.read_bytes(f"{name}/{MANIFEST_NAME}"),
-                    self.memory.read_bytes(f"{name}/{MANIFEST_SUM_NAME}"), held())
-
-        mine: Any = None
+        mine: tuple[bytes, bytes, str | None] | None = None
         if self.world.rank == 0:
-            mine, error = attempt(rank_zero)
-            if error is not None:
+            with caught() as sharing:
+                mine = (self.memory.read_bytes(f"{name}/{MANIFEST_NAME}"),
+                        self.memory.read_bytes(f"{name}/{MANIFEST_SUM_NAME}"), held())
+            if sharing.error is not None:
                 logger.warning("memory tier: cannot share the manifest of %s with the other "
-                               "nodes (%s)", self.memory.display(name), error)
-        listing, _ = attempt(self.memory.walk, name) if self.leads else (None, None)
+                               "nodes (%s)", self.memory.display(name), sharing.error)
+        listing = None
+        with caught():  # a leader that cannot list its folder offers no files to copy
+            if self.leads:
+                listing = self.memory.walk(name)
         everyone = self.world.all_gather((mine, [(f.path, f.size) for f in listing or []]))
         shared = everyone[0][0]
         if shared is None or not self.leads:
             return None if shared is None else shared[2]
         manifest, digest, kept = shared
         if self.node != 0:
-            _, error = attempt(self._write_manifest, name, manifest, digest)
-            if error is not None:
+            with caught() as writing:
+                self._write_manifest(name, manifest, digest)
+            if writing.error is not None:
                 logger.warning("memory tier: writing the manifest of %s on node %d failed "
-                               "(%s)", self.memory.display(name), self.node, error)
+                               "(%s)", self.memory.display(name), self.node, writing.error)
         if self.replicate:
             source = self.nodes.previous(self.node)
             files = parse_manifest(manifest, self.memory.display(name)).files

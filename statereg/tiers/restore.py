@@ -21,7 +21,7 @@ from statereg.engine.checkpoints import (
     scan_root,
     step_of,
 )
-from statereg.engine.world import World, attempt
+from statereg.engine.world import World, caught
 from statereg.tiers.drain import committed_at
 from statereg.tiers.identity import Nodes, identity_folder
 from statereg.tiers.node_memory import NodeMemoryBackend
@@ -79,12 +79,12 @@ class Restorer:
         if self.leads:
             if before is not None:
                 before()
-            mine, error = attempt(lambda: {step: found for step, found
-                                           in inventory(self.memory).items()
-                                           if step not in unusable})
-            if error is not None:
+            with caught() as looking:
+                mine = {step: found for step, found in inventory(self.memory).items()
+                        if step not in unusable}
+            if looking.error is not None:
                 logger.warning("memory tier %s unreadable on node %d (%s)", self.memory.url,
-                               self.node, error)
+                               self.node, looking.error)
                 mine = {}
         everyone = self.world.all_gather(mine)
         decided: Any = None

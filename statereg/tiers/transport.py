@@ -58,17 +58,18 @@ from contextlib import contextmanager, suppress
 from typing import Any, ClassVar, NoReturn
 from urllib.parse import quote, unquote, urlsplit
 
+from statereg import env
 from statereg.backends.base import PositionedReads, StorageBackend, StoredFile
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.errors import StorageError
 
 logger = logging.getLogger("statereg")
 
-PEER_HOST_ENV = "STATEREG_PEER_HOST"
+PEER_HOST_ENV = env.PEER_HOST
 # Seconds a peer may take for a request before it counts as gone (plus 1 s per _MIN_RATE
 # bytes it sent); tests set it low.
-PEER_TIMEOUT_ENV = "STATEREG_PEER_TIMEOUT_S"
-GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+PEER_TIMEOUT_ENV = env.PEER_TIMEOUT_S
+GLOO_IFNAME_ENV = env.GLOO_SOCKET_IFNAME
 _TIMEOUT = 60.0
 # A peer must keep up this many bytes per second (after the first `timeout` seconds) or
 # its request ends: an honest node sends at network speed, a trickle is a stall.
@@ -141,13 +142,13 @@ def peer_address() -> tuple[str, str]:
     came from: $STATEREG_PEER_HOST; else the address of the interface gloo uses
     ($GLOO_SOCKET_IFNAME, its first name); else this host's address on the route to
     $MASTER_ADDR (the address the job's rendezvous reaches it by); else the host name's."""
-    given = os.environ.get(PEER_HOST_ENV, "").strip()
+    given = env.peer_host()
     if given:
         return given, f"${PEER_HOST_ENV}"
-    interface = os.environ.get(GLOO_IFNAME_ENV, "").split(",")[0].strip()
+    interface = env.gloo_interface()
     if interface:
         return interface_address(interface), f"${GLOO_IFNAME_ENV} {interface}"
-    master = os.environ.get("MASTER_ADDR", "").strip()
+    master = env.master_addr()
     routed = _route_to(master) if master else None
     if routed:
         return routed, f"the route to $MASTER_ADDR {master}"
@@ -680,7 +681,7 @@ class PeerBackend(StorageBackend):
     def __init__(self, url: str, secret: bytes, timeout: float | None = None) -> None:
         self._secret = secret
         if timeout is None:
-            timeout = float(os.environ.get(PEER_TIMEOUT_ENV) or _TIMEOUT)
+            timeout = env.peer_timeout_s(_TIMEOUT)
         self.timeout = timeout
         super().__init__(url)
         self._idle: list[_Connection] = []

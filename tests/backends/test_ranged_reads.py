@@ -23,7 +23,7 @@ from statereg.dcp.codec import CompressionSettings
 from statereg.dcp.metadata import load_dcp_metadata
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
 from statereg.dcp.writer import BackendWriter
-from statereg.engine.world import attempt, raise_own
+from statereg.engine.world import caught, raise_own
 from statereg.errors import CorruptCheckpointError
 
 # What one HTTP response adds around the bytes it carries (status line and headers).
@@ -94,9 +94,10 @@ def _save(url: str, options: dict, compression: CompressionSettings | None = Non
 def _load(url: str, options: dict, records: dict, keys: list[str]) -> dict[str, torch.Tensor]:
     targets = {key: torch.zeros(256, 256) for key in keys}
     reader = BackendReader(open_backend(url, options), "ckpt", records=records)
-    _, error = attempt(load_in_place, targets, reader, SafeLoadPlanner())
-    if error is not None:  # DCP wraps the reader's error; the engine raises it as itself
-        raise_own(error, "load", 0)
+    with caught() as loading:
+        load_in_place(targets, reader, SafeLoadPlanner())
+    if loading.error is not None:  # DCP wraps the reader's error; the engine raises it as itself
+        raise_own(loading.error, "load", 0)
     return targets
 
 

@@ -203,7 +203,7 @@ class Root:
 
 class Killed(SystemExit):
     """Stands for SIGKILL at a kill point: statereg's own error handling lets SystemExit
-    through (engine/world.py attempt), so nothing after the point runs for this save."""
+    through (engine/world.py caught), so nothing after the point runs for this save."""
 
 
 # What each point leaves is what the same point of tests/reliability/crash_driver.py leaves

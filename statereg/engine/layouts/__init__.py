@@ -22,8 +22,9 @@ from statereg.engine.layouts.base import (
 from statereg.engine.layouts.consolidated import ConsolidatedLayout
 from statereg.engine.layouts.dcp import DCPLayout
 from statereg.engine.layouts.object_file import ObjectFileLayout
+from statereg.state.protocols import ObjectState, TensorState
 
-LAYOUTS: dict[str, LayoutExecutor] = {
+LAYOUTS: dict[str, LayoutExecutor[TensorState] | LayoutExecutor[ObjectState]] = {
     "dcp": DCPLayout(),
     "consolidated": ConsolidatedLayout(),
     "object_file": ObjectFileLayout(),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore, StorageBackend
 from statereg.backends.checksum import FileRecorder
 from statereg.dcp.codec import CompressionSettings
 from statereg.dcp.writer import WriteReport
@@ -16,6 +16,12 @@ from statereg.engine.plan import LoadTask, Task
 from statereg.engine.world import World
 from statereg.errors import SpecError
 from statereg.schemas.manifest import ComponentRecord, FileRecord
+from statereg.state.protocols import ObjectState, TensorMeta, TensorState
+
+# The adapter a layout executor takes: a TensorState (dcp, consolidated) or an ObjectState
+# (object_file); the plan picks the layout from the component's kind, as the adapter is.
+AdapterT = TypeVar("AdapterT", bound="TensorState | ObjectState", contravariant=True)
+_Adapter = TypeVar("_Adapter", bound="TensorState | ObjectState")
 
 
 @dataclass
@@ -60,7 +66,7 @@ class ReadContext:
     it is read; they also spare a size request per file.
     """
 
-    backend: StorageBackend
+    backend: ReadableStore
     name: str
     world: World
     records: Mapping[str, FileRecord] | None
@@ -106,7 +112,7 @@ class Prepared:
     keys: KeyReport | None = None
 
 
-def key_report(adapter: Any, stored: dict[str, Any], meta: dict[str, Any],
+def key_report(adapter: TensorState, stored: dict[str, TensorMeta], meta: dict[str, Any],
                targets: dict[str, Any]) -> KeyReport:
     missing, unexpected = adapter.key_differences(stored, meta)
     return KeyReport(tuple(sorted(targets)), tuple(missing), tuple(unexpected))
@@ -116,15 +122,15 @@ def nothing() -> None:
     """A load step that changes nothing (a component reset on a world-size change)."""
 
 
-class LayoutExecutor(Protocol):
-    """Executes the save and load tasks of one layout."""
+class LayoutExecutor(Protocol[AdapterT]):
+    """Executes the save and load tasks of one layout, on adapters of one protocol."""
 
     # Whether a load needs the live object (tensors load in place into it). A load into a
     # component not attached yet is then deferred until mgr.attach() gives the object;
     # otherwise the read state is held and applied by attach().
     needs_object: bool
 
-    def capture(self, task: Task, adapter: Any) -> Captured:
+    def capture(self, task: Task, adapter: AdapterT) -> Captured:
         """This rank's state of the component (no copy of tensors)."""
         ...
 
@@ -133,14 +139,15 @@ class LayoutExecutor(Protocol):
         those); returns what DCP's writer did (what an incremental save learns), or None."""
         ...
 
-    def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
+    def prepare(self, task: LoadTask, record: ComponentRecord, adapter: AdapterT | None,
                 ctx: ReadContext) -> Prepared:
         """Check the stored component against the live object and return the load step;
         nothing live changes until `apply` runs."""
         ...
 
 
-def require_object(task: LoadTask, adapter: Any) -> Any:
+def require_object(task: LoadTask, adapter: _Adapter | None) -> _Adapter:
+    """The component's adapter; a SpecError naming it when its object was not given."""
     if adapter is None:
         raise SpecError(
             f"component {task.component!r} (format {task.format}) has no object to load into; "

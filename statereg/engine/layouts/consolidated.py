@@ -6,8 +6,6 @@ load every rank takes its own slice of each full tensor, so loading needs no col
 
 from __future__ import annotations
 
-from typing import Any
-
 from statereg.backends.checksum import missing, verify_stream
 from statereg.engine.layouts.base import (
     Captured,
@@ -21,12 +19,13 @@ from statereg.engine.plan import LoadTask, Task
 from statereg.errors import CheckpointMismatchError
 from statereg.formats.files import open_model_files, write_model_files
 from statereg.schemas.manifest import ComponentRecord
+from statereg.state.protocols import TensorState
 
 
 class ConsolidatedLayout:
     needs_object = True
 
-    def capture(self, task: Task, adapter: Any) -> Captured:
+    def capture(self, task: Task, adapter: TensorState) -> Captured:
         state = adapter.capture()
         return Captured(task, tensors=state.tensors, meta=state.meta)
 
@@ -36,7 +35,7 @@ class ConsolidatedLayout:
                           item.tensors or {}, ctx.world.process_group(task.collective),
                           task.leader, task.max_shard_size, ctx.recorder.add)
 
-    def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
+    def prepare(self, task: LoadTask, record: ComponentRecord, adapter: TensorState | None,
                 ctx: ReadContext) -> Prepared:
         adapter = require_object(task, adapter)
         try:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from statereg.backends.base import StorageBackend
+from statereg.backends.base import ReadableStore
 from statereg.backends.checksum import FileRecorder, WrittenFile
 from statereg.dcp import METADATA_NAME
 from statereg.dcp.metadata import load_dcp_metadata
@@ -55,6 +55,7 @@ from statereg.formats.jsonstate import decode_state, encode_state
 from statereg.formats.names import SIDECAR_NAME
 from statereg.formats.tensors import dcp_tensor_metas
 from statereg.schemas.manifest import ComponentRecord, FileRecord
+from statereg.state.protocols import TensorMeta, TensorState
 
 
 @dataclass
@@ -204,7 +205,7 @@ class DCPLayout:
 
     """Saves and loads a tensor-state component through DCP, as its task says."""
 
-    def capture(self, task: Task, adapter: Any) -> Captured:
+    def capture(self, task: Task, adapter: TensorState) -> Captured:
         state = adapter.capture()
         item = Captured(task, tensors=state.tensors, meta=state.meta)
         if task.leader and state.sidecar is not None:
@@ -231,7 +232,7 @@ class DCPLayout:
             plans.learn(task.component, planner, writer)
         return writer.report
 
-    def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
+    def prepare(self, task: LoadTask, record: ComponentRecord, adapter: TensorState | None,
                 ctx: ReadContext) -> Prepared:
         if task.policy == "reset":
             return Prepared(nothing)
@@ -277,9 +278,10 @@ class DCPLayout:
         return Prepared(apply, keys=key_report(adapter, stored, record.meta, targets))
 
 
-def _checked_targets(task: LoadTask, record: ComponentRecord, adapter: Any, ctx: ReadContext,
-                     reader: GroupReader, sidecar_bytes: bytes | None,
-                     ) -> tuple[Any, Any, dict[str, Any], dict[str, Any], str | None]:
+def _checked_targets(task: LoadTask, record: ComponentRecord, adapter: TensorState | None,
+                     ctx: ReadContext, reader: GroupReader, sidecar_bytes: bytes | None,
+                     ) -> tuple[TensorState, dict[str, Any] | None, dict[str, TensorMeta],
+                                dict[str, Any], str | None]:
     """The adapter, sidecar, stored tensor metas, load targets and their fingerprint."""
     adapter = require_object(task, adapter)
     sidecar = None
@@ -349,7 +351,7 @@ class GroupReader(BackendReader):
     on every rank before anything is sent (a damaged item: CorruptCheckpointError on all).
     """
 
-    def __init__(self, backend: StorageBackend, path: str,
+    def __init__(self, backend: ReadableStore, path: str,
                  records: Mapping[str, FileRecord] | None, metadata: bytes, world: World,
                  group: Any) -> None:
         super().__init__(backend, path, records=records)

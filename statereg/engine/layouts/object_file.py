@@ -8,13 +8,13 @@ declared policy (reset: keep the fresh state; reshard: derive it from every save
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from statereg.engine.layouts.base import Captured, Prepared, ReadContext, WriteContext, nothing
 from statereg.engine.plan import LoadTask, Task
 from statereg.errors import CorruptCheckpointError, SpecError
 from statereg.formats.files import decode_object, encode_object
 from statereg.schemas.manifest import ComponentRecord
+from statereg.state.protocols import ObjectState
 
 logger = logging.getLogger("statereg")
 
@@ -22,7 +22,7 @@ logger = logging.getLogger("statereg")
 class ObjectFileLayout:
     needs_object = False
 
-    def capture(self, task: Task, adapter: Any) -> Captured:
+    def capture(self, task: Task, adapter: ObjectState) -> Captured:
         (path,) = task.files
         data = encode_object(task.format, adapter.capture(), f"component {task.component!r}")
         return Captured(task, blobs={path: data})
@@ -30,7 +30,7 @@ class ObjectFileLayout:
     def write(self, item: Captured, ctx: WriteContext) -> None:
         """Nothing beyond the captured file, which the caller writes with every blob."""
 
-    def prepare(self, task: LoadTask, record: ComponentRecord, adapter: Any,
+    def prepare(self, task: LoadTask, record: ComponentRecord, adapter: ObjectState | None,
                 ctx: ReadContext) -> Prepared:
         if task.policy == "reset":
             logger.warning("%s: world size changed (%d -> %d); %r keeps its fresh state",
