@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_save_load import build_state
+from perfsuite.workload import linear_stack
 
 import statereg
 
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
 
-    model, opt = build_state(args.gb)
+    model, opt = linear_stack(args.gb)
     tensors = [t for t in model.state_dict().values()]
     tensors += [v for s in opt.state.values() for v in s.values() if v.dim()]
     nbytes = sum(t.nbytes for t in tensors)

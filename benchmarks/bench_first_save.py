@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_save_load import build_state
+from perfsuite.workload import linear_stack
 
 import statereg
 
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0, help="state size in GB")
     parser.add_argument("--saves", type=int, default=3)
     args = parser.parse_args()
-    model, opt = build_state(args.gb)
+    model, opt = linear_stack(args.gb)
     nbytes = sum(t.nbytes for t in model.state_dict().values()) + sum(
         v.nbytes for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     root = Path(tempfile.mkdtemp(prefix="statereg-first-save-"))

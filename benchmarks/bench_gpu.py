@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from bench_save_load import drop_caches
 from perfsuite.floor import write_buffered
+from perfsuite.measure import drop_caches
 from torch import nn
 
 import statereg

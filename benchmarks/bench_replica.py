@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_save_load import build_state
+from perfsuite.workload import linear_stack
 
 import statereg
 from statereg.tiers.node_memory import NodeMemoryBackend
@@ -83,7 +83,7 @@ def _rank(rank: int, args: argparse.Namespace, init: str, shm: str, durable: str
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
                             timeout=timedelta(minutes=10))
     torch.manual_seed(0)
-    model, optimizer = build_state(args.gb)
+    model, optimizer = linear_stack(args.gb)
     nbytes = sum(t.nbytes for t in model.state_dict().values())
     nbytes += sum(v.nbytes for s in optimizer.state.values() for v in s.values())
     plain = statereg.CheckpointManager(_spec(*s3), model=model, optimizer=optimizer)

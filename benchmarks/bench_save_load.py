@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -20,30 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from perfsuite.measure import drop_caches
+from perfsuite.workload import linear_stack
 
 import statereg
-
-
-def build_state(gb: float) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A stack of square Linear layers (fp32) plus AdamW moments after one real step."""
-    width = 2048
-    per_layer = width * width * 4 * 3  # weights + two Adam moments
-    layers = max(1, round(gb * 1e9 / per_layer))
-    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, width)).sum().backward()
-    opt.step()
-    return model, opt
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def timed(fn: Callable[[], None], reps: int, before: Callable[[], None]) -> list[float]:
@@ -80,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model, opt = build_state(args.gb)
+    model, opt = linear_stack(args.gb)
     flat = {f"model.{k}": v for k, v in model.state_dict().items()}
     for i, entries in enumerate(opt.state.values()):
         flat |= {f"optim.{i}.{k}": v for k, v in entries.items() if isinstance(v, torch.Tensor)}

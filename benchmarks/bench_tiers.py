@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 import xxhash
-from bench_save_load import build_state
+from perfsuite.workload import linear_stack
 
 import statereg
 from statereg.backends.base import StorageBackend
@@ -188,7 +188,7 @@ class Bench:
                  s3: tuple[str, dict[str, Any]] | None) -> None:
         self.args, self.work, self.shm, self.s3 = args, work, shm, s3
         torch.manual_seed(0)
-        self.model, self.optimizer = build_state(args.gb)
+        self.model, self.optimizer = linear_stack(args.gb)
         self.tensors = [*self.model.state_dict().values()]
         self.tensors += [v for s in self.optimizer.state.values() for v in s.values() if v.dim()]
         self.nbytes = sum(t.nbytes for t in self.tensors)
