@@ -583,7 +583,7 @@ def main() -> int:
     global PROFILE
     PROFILE = args.profile
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure (run this on a GPU machine)")
+        print("no GPU: skipped (no CUDA device; run this on a GPU machine)")
         return 0
     RESULTS["machine"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                           "cuda": torch.version.cuda, "cpus": os.cpu_count(),
