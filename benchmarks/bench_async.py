@@ -1,6 +1,7 @@
 """How long save() stalls the training loop: sync, async, async with early return.
 
-Run by hand (not a test):  .venv/bin/python benchmarks/bench_async.py --gb 1 --saves 20
+Run by hand:  .venv/bin/python benchmarks/bench_async.py --gb 1 --saves 20
+(`--quick`, a tiny state and two saves per mode, is the smoke test in tests/test_benchmarks.py.)
 The floor is one copy of the same tensors into preallocated buffers. After each save() the
 loop "works" for --work seconds (a sleep standing in for forward and backward, which read
 the weights but change none), then waits for staging and mutates the weights in place, as
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_save_load import build_state
+from perfsuite.workload import linear_stack
 
 import statereg
 
@@ -43,9 +44,14 @@ def main() -> None:
                         help="seconds of simulated forward+backward between save() and step")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: a 2 MB state of narrow layers, two saves per mode")
     args = parser.parse_args()
+    width = 2048
+    if args.quick:
+        args.gb, args.saves, width = 0.002, 2, 256
 
-    model, opt = build_state(args.gb)
+    model, opt = linear_stack(args.gb, width)
     tensors = [t for t in model.state_dict().values()]
     tensors += [v for s in opt.state.values() for v in s.values() if v.dim()]
     nbytes = sum(t.nbytes for t in tensors)

@@ -22,6 +22,7 @@ FileSystemWriter / FileSystemReader) save that same state `--saves` times each, 
 
     python benchmarks/bench_coordination.py                     # 2, 4 and 8 ranks
     python benchmarks/bench_coordination.py --ranks 2 --saves 2  # a quick look
+    python benchmarks/bench_coordination.py --quick   # smoke test: 2 ranks, 2 tiny layers
 """
 
 from __future__ import annotations
@@ -248,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: $TMPDIR)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 2 ranks, 2 saves, 2 layers of width 32")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.saves, args.layers, args.width = [2], 2, 2, 32
     mp.set_forkserver_preload(["torch", "torch.distributed.fsdp", "statereg.manager"])
     started = time.perf_counter()
     results = {world: run(world, args) for world in args.ranks}

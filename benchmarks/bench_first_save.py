@@ -3,6 +3,7 @@
 Run by hand (not a test), once without and once with PyTorch's transparent huge pages:
   .venv/bin/python benchmarks/bench_first_save.py --gb 1
   THP_MEM_ALLOC_ENABLE=1 .venv/bin/python benchmarks/bench_first_save.py --gb 1
+(`--quick`, a tiny state and two saves, is the smoke test in tests/test_benchmarks.py.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_save_load import build_state
+from perfsuite.workload import linear_stack
 
 import statereg
 
@@ -24,8 +25,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gb", type=float, default=1.0, help="state size in GB")
     parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: a 2 MB state of narrow layers, two saves")
     args = parser.parse_args()
-    model, opt = build_state(args.gb)
+    width = 2048
+    if args.quick:
+        args.gb, args.saves, width = 0.002, 2, 256
+    model, opt = linear_stack(args.gb, width)
     nbytes = sum(t.nbytes for t in model.state_dict().values()) + sum(
         v.nbytes for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     root = Path(tempfile.mkdtemp(prefix="statereg-first-save-"))

@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from bench_save_load import drop_caches
 from perfsuite.floor import write_buffered
+from perfsuite.measure import drop_caches
 from torch import nn
 
 import statereg
@@ -583,7 +583,7 @@ def main() -> int:
     global PROFILE
     PROFILE = args.profile
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure (run this on a GPU machine)")
+        print("no GPU: skipped (no CUDA device; run this on a GPU machine)")
         return 0
     RESULTS["machine"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                           "cuda": torch.version.cuda, "cpus": os.cpu_count(),

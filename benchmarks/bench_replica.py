@@ -2,6 +2,7 @@
 (issue 16, docs/tiers.md). Run by hand (not a test):
 
     .venv/bin/python benchmarks/bench_replica.py --gb 0.25 --reps 3
+    .venv/bin/python benchmarks/bench_replica.py --quick   # smoke test: a 2 MB state, 1 rep
 
 Four real ranks on gloo play 2 nodes x 2 ranks ($STATEREG_NODE), each node's memory folder
 under a fresh folder in /dev/shm, peers on 127.0.0.1. Every rank holds the same model and
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_save_load import build_state
+from perfsuite.workload import linear_stack
 
 import statereg
 from statereg.tiers.node_memory import NodeMemoryBackend
@@ -83,7 +84,7 @@ def _rank(rank: int, args: argparse.Namespace, init: str, shm: str, durable: str
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
                             timeout=timedelta(minutes=10))
     torch.manual_seed(0)
-    model, optimizer = build_state(args.gb)
+    model, optimizer = linear_stack(args.gb, args.width)
     nbytes = sum(t.nbytes for t in model.state_dict().values())
     nbytes += sum(v.nbytes for s in optimizer.state.values() for v in s.values())
     plain = statereg.CheckpointManager(_spec(*s3), model=model, optimizer=optimizer)
@@ -158,7 +159,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=0.25, help="model+AdamW state per rank")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: a 2 MB state of narrow layers, one repetition")
     args = parser.parse_args()
+    # Ranks fork from one server that imported torch once (outside every measured window).
+    mp.set_forkserver_preload(["torch", "torch.distributed"])
+    args.width = 2048
+    if args.quick:
+        args.gb, args.reps, args.width = 0.002, 1, 256
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     shm = tempfile.mkdtemp(prefix="statereg-bench-replica-", dir=base)
     work = Path(tempfile.mkdtemp(prefix="statereg-bench-replica-"))
@@ -174,7 +182,7 @@ def main() -> None:
         out = work / "result.json"
         mp.start_processes(_rank, args=(args, str(work / "pg-init"), shm, str(work / "durable"),
                                         (f"s3://{bucket}", options), str(out)),
-                           nprocs=WORLD, join=True, start_method="spawn")
+                           nprocs=WORLD, join=True, start_method="forkserver")
         result = json.loads(out.read_text())
         print(json.dumps({**result, "transport GB/s": transport}, indent=1))
     finally:

@@ -12,6 +12,7 @@ export of that commit:
   .venv/bin/python benchmarks/bench_save_coordination.py --ranks 2 4 --tensors 1000
   git archive HEAD statereg | tar -x -C /tmp/before
   PYTHONPATH=/tmp/before .venv/bin/python benchmarks/bench_save_coordination.py --ranks 2 4
+  .venv/bin/python benchmarks/bench_save_coordination.py --quick   # smoke test: 2 ranks
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def measure(world: int, tensors: int, numel: int, saves: int) -> dict[str, Any]:
         out.mkdir()
         mp.start_processes(_rank, args=(world, str(Path(tmp, "init")), str(Path(tmp, "ckpt")),
                                         tensors, numel, saves, str(out)),
-                           nprocs=world, join=True, start_method="spawn")
+                           nprocs=world, join=True, start_method="forkserver")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     per_save = [{key: max(rank[i][key] for rank in ranks) for key in ranks[0][i]}
                 for i in range(saves)]
@@ -130,9 +131,15 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, nargs="+", default=[1000])
     parser.add_argument("--numel", type=int, default=16, help="elements per tensor")
     parser.add_argument("--saves", type=int, default=6, help="the first and the later ones")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 2 ranks, 10 tensors, 2 saves")
     args = parser.parse_args()
+    if args.quick:
+        args.ranks, args.tensors, args.saves = [2], [10], 2
     import statereg
 
+    # Ranks fork from one server that imported torch once (outside every measured window).
+    mp.set_forkserver_preload(["torch", "torch.distributed"])
     print(f"statereg from {Path(statereg.__file__).parent}, torch {torch.__version__}")
     print("| ranks | tensors | save | wall ms | in collectives ms | calls | bytes sent |")
     print("|---|---|---|---|---|---|---|")

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 import xxhash
-from bench_save_load import build_state
+from perfsuite.workload import linear_stack
 
 import statereg
 from statereg.backends.base import StorageBackend
@@ -188,7 +188,7 @@ class Bench:
                  s3: tuple[str, dict[str, Any]] | None) -> None:
         self.args, self.work, self.shm, self.s3 = args, work, shm, s3
         torch.manual_seed(0)
-        self.model, self.optimizer = build_state(args.gb)
+        self.model, self.optimizer = linear_stack(args.gb, args.width)
         self.tensors = [*self.model.state_dict().values()]
         self.tensors += [v for s in self.optimizer.state.values() for v in s.values() if v.dim()]
         self.nbytes = sum(t.nbytes for t in self.tensors)
@@ -450,7 +450,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tmpfs for the memory tier (a fresh folder is made in it)")
     parser.add_argument("--dir", default=None, help="local disk folder (default: a temp dir)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
-    return parser.parse_args(argv)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: a 2 MB state of narrow layers, 1 repetition, 2 "
+                             "steps with a memory save after each, batch 2, no S3 server")
+    args = parser.parse_args(argv)
+    args.width = 2048
+    if args.quick:
+        args.gb, args.reps, args.steps, args.every, args.batch = 0.002, 1, 2, 1, 2
+        args.width, args.no_s3 = 256, True
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

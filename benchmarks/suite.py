@@ -9,6 +9,11 @@ Builds a ~250M-parameter transformer in fp32 after a real AdamW step (weights + 
 peak RSS: the physical floor, peers (torch.save, safetensors, plain DCP), statereg's sync,
 async and compressed saves and loads, every storage backend against raw fsspec, and scale in
 tensor count and world size. `--only` picks sections; `--quick` runs tiny sizes, 1 repetition.
+
+Named scenarios beyond the default sections, run only when `--only` names them (each was a
+standalone script; benchmarks/README.md lists every scenario with its last recorded figure):
+  save_load  statereg save/load against plain DCP on a stack of Linear layers (`--gb`)
+  ratios     compression ratio per tensor kind on synthetic stand-ins (`--numel`), no timings
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from perfsuite import (
     floor,
     peers,
     ranks,
+    ratios,
     report,
+    save_load,
     scale,
     statereg_io,
     targets,
@@ -47,19 +54,25 @@ from perfsuite.measure import PEAK_RESETS, PageCache, Timing, machine_info
 from perfsuite.workload import TrainingState, build_bf16, build_fp32, shape_for
 
 SECTIONS = ("floor", "peers", "statereg", "compression", "backends", "scale", "ranks")
+# Run only when --only names them: they measure on states of their own, not the suite's.
+EXTRA_SCENARIOS = ("save_load", "ratios")
+SCENARIOS = SECTIONS + EXTRA_SCENARIOS
+# Scenarios that build their own states: the transformer states are released before them.
+OWN_STATES = ("backends", "scale", "ranks", *EXTRA_SCENARIOS)
 FULL = {"params": 250e6, "reps": 3, "object_mb": 256.0, "scale_tensors": "1000,10000,100000",
         "scale_reps": 1, "world_sizes": "1,2,4", "ranks_params": 50e6, "dcp_threads": "1,2,4",
-        "zipnn_reps": 1}
+        "zipnn_reps": 1, "gb": 1.0, "stack_width": 2048, "numel": 16 << 20}
 QUICK = {"params": 2e6, "reps": 1, "object_mb": 8.0, "scale_tensors": "100,1000",
          "scale_reps": 1, "world_sizes": "1,2", "ranks_params": 2e6, "dcp_threads": "1,2",
-         "zipnn_reps": 1}
+         "zipnn_reps": 1, "gb": 0.002, "stack_width": 256, "numel": 1 << 12}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=",".join(SECTIONS),
-                        help=f"comma-separated sections (default all: {','.join(SECTIONS)})")
+                        help=f"comma-separated sections (default: {','.join(SECTIONS)}); the "
+                             f"scenarios {','.join(EXTRA_SCENARIOS)} run only when named")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and 1 repetition (a smoke run, under 2 minutes)")
     parser.add_argument("--out", default="suite-results",
@@ -94,14 +107,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "(default: $ZIPNN_PYTHON or /tmp/zvenv/bin/python)")
     sizes.add_argument("--zipnn-reps", type=int,
                        help="zipnn compressions per tensor kind (1: only its ratio is a target)")
+    sizes.add_argument("--gb", type=float,
+                       help="save_load: state size in GB (1.0)")
+    sizes.add_argument("--stack-width", type=int,
+                       help="save_load: width of the Linear layers (2048; --quick: 256)")
+    sizes.add_argument("--numel", type=int,
+                       help="ratios: elements per stand-in tensor (16777216)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = sorted(set(args.sections) - set(SECTIONS))
+    unknown = sorted(set(args.sections) - set(SCENARIOS))
     if unknown:
-        parser.error(f"unknown sections {unknown}; choose from {','.join(SECTIONS)}")
+        parser.error(f"unknown sections {unknown}; choose from {','.join(SCENARIOS)}")
     return args
 
 
@@ -182,15 +201,19 @@ class Suite:
         if name == "scale":
             return scale.run(_ints(a.scale_tensors), a.scale_numel, work, a.scale_reps, cache,
                              a.scale_load_max)
+        if name == "save_load":
+            return save_load.run(a.gb, work, a.reps, cache, a.stack_width)
+        if name == "ratios":
+            return ratios.run(a.numel, work, a.zipnn_python)
         return ranks.run(_ints(a.world_sizes), a.ranks_params, work, a.reps,
                          cache.droppable)
 
     def run(self) -> bool:
         ok = True
-        for name in SECTIONS:
+        for name in SCENARIOS:
             if name not in self.args.sections:
                 continue
-            if name in ("backends", "scale", "ranks"):
+            if name in OWN_STATES:
                 self.release_states()
             log(f"section {name} ...")
             start = time.perf_counter()

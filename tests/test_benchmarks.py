@@ -1,65 +1,135 @@
-"""benchmarks/suite.py: a quick run of three sections writes the result the docs describe.
+"""Every benchmark under benchmarks/ runs at its smallest size, so that a rename or a changed
+signature in statereg fails here, not at the next measurement (benchmarks/README.md lists them).
 
-Only the shape of the result is checked (sections, rows, targets, the markdown table), never
-a timing: the machines that run the tests are shared and noisy.
+Each test runs one script as `python benchmarks/<script> --quick ...` would, and checks what it
+writes: the JSON fields, the rows it promises and the figures that are not timings (bytes
+read, collective counts, ratios above 1). Never a timing: the machines are shared and noisy.
+No test drops the machine's page cache (--keep-page-cache, --evict-only).
+
+The single-process scripts run inside this process (runpy), one after another: importing torch
+and torch.distributed.checkpoint costs about 5 s of CPU, which a subprocess per script would
+pay a dozen times. The scripts that start gloo ranks run as subprocesses; their ranks fork from
+one forkserver that imported torch once.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
 
 ROW_FIELDS = {"label", "seconds", "median_s", "min_s", "max_s", "bytes", "gb_per_s",
               "peak_rss_gb"}
-EXPECTED_ROWS = {
+SUITE_ROWS = {
     "floor": {"write_buffered", "write_direct", "read_cold", "memcpy", "memcpy_1thread"},
+    "peers": {"torch_save", "torch_load", "safetensors_save", "safetensors_load",
+              "dcp_save_t1", "dcp_save_t2", "dcp_load"},
     "statereg": {"save", "load", "async_thread_stall", "async_thread_total",
                  "async_thread_first_stall", "async_thread_early_stall",
-                 "async_thread_early_total"},
+                 "async_thread_early_first_stall", "async_thread_early_total"},
     "compression": {f"{what}_{dtype}" for dtype in ("fp32", "bf16") for what in (
         "statereg_save", "statereg_load", "dcp_zstd_save", "dcp_zstd_load")},
+    "backends": {f"{store}_{what}" for store in ("local", "memory", "s3", "gcs")
+                 for what in ("raw_put", "raw_get", "save", "load")}
+    | {"s3_save_zstd", "s3_load_zstd"},
+    "scale": {"save_100", "save_1000", "load_100", "load_1000"},
+    "ranks": {"save_w1", "load_w1"},
+    "save_load": {"dcp_save_t1", "dcp_save_t2", "statereg_save", "dcp_load", "statereg_load"},
+    "ratios": set(),
 }
 
 
-def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "suite.py"), "--quick",
-         "--only", "floor,statereg,compression", "--out", str(out), "--dir", str(tmp_path),
-         "--zipnn-python", "none", "--keep-page-cache"],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+def run_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cwd: Path,
+             script: str, *argv: str) -> str:
+    """Run `python benchmarks/<script> argv` (a module: `-m name`) in this process, from `cwd`;
+    its stdout. Fails on a non-zero exit; environment variables and torch's thread count
+    are restored after it (scripts set both for themselves)."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(BENCH))  # as `python script.py` puts its folder first
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        if script == "-m":
+            monkeypatch.setattr(sys, "argv", [argv[0], *argv[1:]])
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        else:
+            monkeypatch.setattr(sys, "argv", [str(BENCH / script), *argv])
+            runpy.run_path(str(BENCH / script), run_name="__main__")
+    except SystemExit as exit_:
+        assert exit_.code in (0, None), f"{script} exited {exit_.code}: " \
+                                        f"{capsys.readouterr().err[-3000:]}"
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+    return capsys.readouterr().out
+
+
+def run_apart(script: str, *argv: str, timeout: float = 240) -> str:
+    """Run `python benchmarks/<script> argv` as a subprocess; its stdout."""
+    done = subprocess.run([sys.executable, str(BENCH / script), *argv], capture_output=True,
+                          text=True, timeout=timeout, cwd=BENCH)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_suite_quick_runs_every_scenario_and_writes_json_and_markdown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """benchmarks/suite.py --quick with every section and named scenario (the S3 and GCS
+    servers are started by the suite; ranks at world size 1 through torch.distributed.run)."""
+    out = tmp_path / "results"
+    scenarios = ",".join(SUITE_ROWS)
+    run_here(monkeypatch, capsys, tmp_path, "suite.py", "--quick", "--only", scenarios,
+             "--out", str(out), "--dir", str(tmp_path), "--zipnn-python", "none",
+             "--keep-page-cache", "--world-sizes", "1")
 
     result = json.loads((out / "suite.json").read_text())
     assert {"command", "config", "machine", "page_cache_dropped", "states", "sections",
             "targets", "elapsed_s"} <= set(result)
-    assert set(result["states"]) == {"fp32", "bf16"}
-    assert list(result["sections"]) == ["floor", "statereg", "compression"]
-    for name, expected in EXPECTED_ROWS.items():
-        rows = result["sections"][name]["rows"]
-        assert expected <= set(rows), f"{name}: missing {expected - set(rows)}"
+    assert result["page_cache_dropped"] is False
+    assert set(result["states"]) == {"fp32", "bf16", "object-store"}
+    sections = result["sections"]
+    assert list(sections) == list(SUITE_ROWS)
+    for name, expected in SUITE_ROWS.items():
+        assert "error" not in sections[name], (name, sections[name].get("error"))
+        rows = sections[name]["rows"]
+        assert set(rows) == expected, f"{name}: {set(rows) ^ expected}"
         for row in rows.values():
             assert set(row) >= ROW_FIELDS
             assert len(row["seconds"]) == 1  # --quick: one repetition
-    ratios = result["sections"]["compression"]["data"]["ratios"]
+    ratios = sections["compression"]["data"]["ratios"]
     for dtype in ("fp32", "bf16"):
         for kind in ("weights", "exp_avg", "exp_avg_sq", "all"):
             assert ratios[dtype][kind]["statereg"] > 1.0
             assert ratios[dtype][kind]["dcp_zstd"] > 1.0
-    assert "skipped" in result["sections"]["compression"]["data"]["zipnn"]
+    assert "skipped" in sections["compression"]["data"]["zipnn"]
+    for count in ("100", "1000"):  # every timed library function was called by the saves
+        spent = sections["scale"]["data"]["breakdown"][count]["per_save_s"]
+        assert set(spent) == {"plan", "manifest", "checksums"}
+    save_load = sections["save_load"]["data"]
+    # A weight, its AdamW step and two moments per layer.
+    assert save_load["state"]["tensors"] == 4 * save_load["state"]["layers"]
+    assert save_load["save_ratio"] > 0 and save_load["load_ratio"] > 0
+    stand_ins = sections["ratios"]["data"]["ratios"]
+    assert len(stand_ins) == 6 and sections["ratios"]["data"]["zipnn"] == "not installed"
+    for entry in stand_ins.values():
+        assert entry["statereg"] > entry["zstd"] > 1.0 and entry["zipnn"] is None
 
     targets = {t["target"]: t for t in result["targets"]}
     assert len(targets) == len(result["targets"])
     # The target is evaluated on this run's medians: read_cold's time over statereg's load's.
     load = targets["load ≥ 1.0x cold raw read"]
-    sections = result["sections"]
     times_faster = (sections["floor"]["rows"]["read_cold"]["median_s"]
                     / sections["statereg"]["rows"]["load"]["median_s"])
     assert (load["value"], load["bar"], load["op"]) == (round(times_faster, 3), 1.0, ">=")
@@ -68,24 +138,32 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
     assert unmeasured and all(t["note"].startswith("not measured") for t in unmeasured)
 
     table = (out / "suite.md").read_text()
-    assert "### Targets" in table and "### compression" in table
+    for name in SUITE_ROWS:
+        assert f"\n### {name} (" in table
+    assert "### Targets" in table
+    assert "statereg save speed / best plain DCP save: " in table
+    assert "| fp32 Adam exp_avg_sq | " in table
+
+
+def test_suite_refuses_an_unknown_scenario(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(AssertionError, match="exited 2"):
+        run_here(monkeypatch, capsys, tmp_path, "suite.py", "--quick", "--only", "nope")
+    assert not (tmp_path / "suite-results").exists()
 
 
 def test_bench_tiers_measures_every_row_and_restores_from_memory_reading_no_durable_byte(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """benchmarks/bench_tiers.py on a tiny state, one repetition, no S3 server (the S3 rows
-    run the same code against another root); the memory restore must read 0 bytes from
+    """benchmarks/bench_tiers.py --quick: a tiny state, one repetition, no S3 server (the S3
+    rows run the same code against another root); the memory restore must read 0 bytes from
     storage.url whatever the timings."""
     out = tmp_path / "tiers.json"
     shm = tmp_path / "shm"
     shm.mkdir()
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_tiers.py"), "--gb", "0.01",
-         "--reps", "1", "--steps", "2", "--every", "1", "--batch", "2", "--no-s3",
-         "--shm", str(shm), "--dir", str(tmp_path), "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    stdout = run_here(monkeypatch, capsys, tmp_path, "bench_tiers.py", "--quick",
+                      "--shm", str(shm), "--dir", str(tmp_path), "--out", str(out))
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {
         "memory_copy", "memory_save", "memory_save_async_stall", "memory_save_async_committed",
@@ -102,10 +180,12 @@ def test_bench_tiers_measures_every_row_and_restores_from_memory_reading_no_dura
         0.5 + result["rows"]["restore_memory"]["median_s"] / step_s, rel=0.01)
     assert summary["steps_lost_durable_restores_from"] == "disk_cold"
     assert list(shm.iterdir()) == []  # the bench leaves nothing in the tmpfs
-    assert "| restore_memory |" in done.stdout
+    assert "| restore_memory |" in stdout
 
 
-def test_bench_scale_quick_prints_growth_exponents_and_the_100k_tensor_manifest() -> None:
+def test_bench_scale_quick_prints_growth_exponents_and_the_100k_tensor_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
     """benchmarks/bench_scale.py --quick (8..64 simulated ranks, real planner and commit code):
     the first save, the later save and the load each carry every figure's growth exponent;
     the collectives per rank are constant and those the engine calls (12 for a first save of
@@ -113,11 +193,8 @@ def test_bench_scale_quick_prints_growth_exponents_and_the_100k_tensor_manifest(
     the real calls); a later save's storage requests and what a rank other than 0 receives
     grow no faster than the rank count; the manifest of a 4,096-rank, 100k-tensor checkpoint
     is built and parsed."""
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_scale.py"), "--quick"],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
+    stdout = run_here(monkeypatch, capsys, tmp_path, "bench_scale.py", "--quick")
+    lines = stdout.splitlines()
     headers = [line for line in lines if line.startswith("| figure |")]
     assert headers == ["| figure | 8 | 16 | 32 | 64 | exponent | c |"] * 3
 
@@ -132,55 +209,129 @@ def test_bench_scale_quick_prints_growth_exponents_and_the_100k_tensor_manifest(
         assert all(float(cells[5]) <= 1.1 for cells in row(label)), (label, row(label))
     manifest = re.search(r"manifest of a 4096-rank, 100000-tensor checkpoint \((\d+) files\): "
                          r"(\d+) bytes, parsed in ([\d.]+) s; with 100000 incremental digests: "
-                         r"(\d+) bytes, parsed in ([\d.]+) s", done.stdout)
-    assert manifest, done.stdout[-2000:]
+                         r"(\d+) bytes, parsed in ([\d.]+) s", stdout)
+    assert manifest, stdout[-2000:]
     # Four files per rank (two DCP data files, dataloader, rng) and four written once.
     assert int(manifest.group(1)) == 4 * 4096 + 4
     assert int(manifest.group(4)) > int(manifest.group(2)) + 100_000 * 50
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+@pytest.mark.skipif(torch.cuda.is_available(),
                     reason="with CUDA the script runs its whole benchmark (by hand only)")
-def test_gpu_benchmark_imports_and_skips_without_cuda() -> None:
-    # It is never run here, but it imports statereg's CUDA paths (landing slices, staging):
-    # a rename there must fail this test, not the next run on a GPU machine.
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_gpu.py")],
-                          capture_output=True, text=True, timeout=120, cwd=REPO / "benchmarks")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "no CUDA device: nothing to measure" in done.stdout
+def test_gpu_benchmark_imports_and_skips_without_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Its measurements never run here, but it imports statereg's CUDA paths (landing slices,
+    # staging): a rename there must fail this test, not the next run on a GPU machine.
+    stdout = run_here(monkeypatch, capsys, tmp_path, "bench_gpu.py")
+    assert stdout.splitlines() == ["no GPU: skipped (no CUDA device; run this on a GPU machine)"]
 
 
-def test_auto_cadence_benchmark_runs_and_reports_each_mode() -> None:
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_auto_cadence.py"), "--quick"],
-        capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+def test_auto_cadence_benchmark_runs_and_reports_each_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    stdout = run_here(monkeypatch, capsys, tmp_path, "bench_auto_cadence.py", "--quick")
+    results = json.loads(stdout.strip().splitlines()[-1])["results"]
     assert set(results) == {"off", "thread"}
     for row in results.values():
         assert row["steps"] > 0 and row["interval_s"] > 0 and 0 <= row["goodput"] <= 1
+
+
+def test_bench_async_quick_reports_the_stall_of_each_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    stdout = run_here(monkeypatch, capsys, tmp_path, "bench_async.py", "--quick",
+                      "--dir", str(tmp_path))
+    lines = stdout.splitlines()
+    assert lines[0].startswith("state: 0.00 GB; memory copy into preallocated buffers: median ")
+    assert [line.split()[0] for line in lines[1:]] == ["off", "thread", "thread+early_return"]
+    assert all("RSS after save 1 / 2 / 2: " in line for line in lines[1:])
+    assert not list(tmp_path.glob("statereg-async-*"))  # each mode removes its root
+
+
+def test_bench_first_save_quick_reports_the_first_and_later_stalls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    stdout = run_here(monkeypatch, capsys, tmp_path, "bench_first_save.py", "--quick")
+    assert re.fullmatch(r"THP_MEM_ALLOC_ENABLE=unset; state 0\.00 GB; stall of the first save "
+                        r"[\d.]+ s \(allocates the buffers\), later saves [\d.]+ s\n", stdout)
+
+
+def test_bench_manifest_sizes_and_parses_a_manifest_per_item_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "manifest.json"
+    run_here(monkeypatch, capsys, tmp_path, "bench_manifest.py", "--items", "1000", "2000",
+             "--json", str(out))
+    results = json.loads(out.read_text())
+    assert [r["items"] for r in results] == [1000, 2000]
+    for r in results:
+        assert r["bytes"] > 50 * r["items"] and r["parse_s"] is not None
+        assert r["items_at_bound"] > 100_000
+
+
+def test_cold_load_quick_loads_through_every_reader_evicting_only_its_own_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    stdout = run_here(monkeypatch, capsys, tmp_path, "-m", "perfsuite.cold_load", "--quick",
+                      "--dir", str(tmp_path))
+    result = json.loads(stdout)
+    assert result["page_cache"] == "files evicted with posix_fadvise(DONTNEED) (not drop_caches)"
+    readers = {"statereg", "statereg_bypass", "torch_mmap", "safetensors", "raw_buffered",
+               "raw_direct"}
+    assert readers | {f"{r}_warm" for r in readers} >= set(result["median_s"]) >= readers
+    assert all(len(times) == 1 for times in result["seconds"].values())
+    assert len(result["ratios"]) == 6
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_coordination_quick_counts_collectives_and_bytes_read_per_rank() -> None:
+    """2 gloo ranks, FSDP2: statereg's first save calls 12 collectives, a later one 4 and a
+    load 19 (as bench_scale.py's ledger and docs/performance.md say); both libraries' rows."""
+    stdout = run_apart("bench_coordination.py", "--quick")
+    rows = {cells[1]: cells for cells in (line.strip("| ").split(" | ")
+                                          for line in stdout.splitlines())
+            if cells[0] == "2"}
+    assert set(rows) == {"statereg", "dcp"}
+    assert (rows["statereg"][6], rows["statereg"][9]) == ("12 / 4", "19")
+    assert all(float(cells[12].rstrip("x")) > 0 for cells in rows.values())  # bytes were read
+
+
+def test_bench_save_coordination_quick_prints_the_first_and_a_later_save() -> None:
+    stdout = run_apart("bench_save_coordination.py", "--quick")
+    rows = [line.strip("| ").split(" | ") for line in stdout.splitlines()
+            if line.startswith("| 2 | 10 |")]
+    assert [cells[2] for cells in rows] == ["first", "later"]
+    assert all(int(cells[5]) > 0 and int(cells[6]) > 0 for cells in rows)
+
+
+def test_bench_replica_quick_restores_from_a_peer_replica_reading_nothing_durable() -> None:
+    """4 ranks as 2 nodes, moto's S3 server started by the script: the restores from the own
+    node, from the peer node's replica and from S3 all happen; no durable byte is read."""
+    result = json.loads(run_apart("bench_replica.py", "--quick"))
+    assert result["ranks"] == 4 and result["nodes"] == 2 and result["reps"] == 1
+    assert set(result["seconds"]) == {"own node", "peer replica", "S3 server"}
+    assert result["bytes read from storage.url during memory restores"] == 0
+    assert set(result["transport GB/s"]) == {"tmpfs", "peer over HTTP"}
 
 
 def test_scale_breakdown_times_functions_a_save_calls(tmp_path: Path) -> None:
     """benchmarks/perfsuite/scale.py wraps library functions by name to split a save's time;
     each must exist where the save looks it up, and be called by one real save (a renamed or
     moved function would fail the suite's scale section, or time nothing)."""
-    script = f"""
-import json, sys
-sys.path.insert(0, {str(REPO / "benchmarks")!r})
-import torch
-import statereg
-from perfsuite.scale import Clock, instrumented
-spec = {{"storage": {{"url": {str(tmp_path / "root")!r}}},
-        "components": {{"model": {{"kind": "model"}}}}}}
-mgr = statereg.CheckpointManager(spec, model=torch.nn.Linear(4, 4))
-clock = Clock()
-with instrumented(clock):
-    mgr.save(step=1)
-print(json.dumps({{name: len(spent) for (_, name), spent in clock.spent.items()}}))
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    calls = json.loads(done.stdout.splitlines()[-1])
-    assert not [name for name, count in calls.items() if count == 0], calls
+    sys.path.insert(0, str(BENCH))
+    try:
+        from perfsuite.scale import Clock, instrumented
+
+        import statereg
+    finally:
+        sys.path.remove(str(BENCH))
+    spec = {"storage": {"url": str(tmp_path / "root")},
+            "components": {"model": {"kind": "model"}}}
+    mgr = statereg.CheckpointManager(spec, model=torch.nn.Linear(4, 4))
+    clock = Clock()
+    with instrumented(clock):
+        mgr.save(step=1)
+    calls = {name: len(spent) for (_, name), spent in clock.spent.items()}
+    assert calls and not [name for name, count in calls.items() if count == 0], calls

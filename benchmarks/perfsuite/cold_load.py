@@ -4,6 +4,7 @@ torch.load(mmap=True) + copy_, safetensors, raw reads.
 Run by hand (see docs/performance.md, "Cold load" and "The page cache"):
 
     cd benchmarks && ../.venv/bin/python -m perfsuite.cold_load --params 125e6 --reps 5
+    cd benchmarks && ../.venv/bin/python -m perfsuite.cold_load --quick   # smoke test
 
 One fp32 transformer after a real AdamW step (weights and two moments: 12 bytes a
 parameter, 1.5 GB at 125M parameters) is saved once by statereg, once by `torch.save` and
@@ -195,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--evict-only", action="store_true",
                         help="evict only this run's files (posix_fadvise), never the whole "
                              "page cache: kinder to other jobs on a shared machine")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: a 0.2M-parameter model, one repetition, --evict-only")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.params, args.reps, args.evict_only = 2e5, 1, True
     with tempfile.TemporaryDirectory(prefix="statereg-cold-", dir=args.dir) as folder:
         print(json.dumps(run(args.params, args.reps, Path(folder), not args.evict_only), indent=1))
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from perfsuite import ratios, save_load
+
 GB = 1e9
 
 
@@ -104,8 +106,14 @@ def markdown(results: dict[str, Any]) -> str:
         if "error" in section:
             lines.append(f"Failed: `{section['error']}`")
             continue
-        lines += _rows_table(section["rows"])
+        if section["rows"]:
+            lines += _rows_table(section["rows"])
         data = section.get("data", {})
+        if name == "save_load" and data:
+            lines += ["", *save_load.summary(data)]
+        if name == "ratios" and data:
+            lines += [f"Compression ratio (raw / stored) of {data['numel']}-element tensors; "
+                      f"zipnn: {data['zipnn']}.", "", *ratios.table(data)]
         if name == "compression" and data.get("ratios"):
             caption = f"Compression ratio (raw / stored); {data.get('zipnn')}"
             if data.get("zipnn_roundtrip_inexact"):

@@ -135,3 +135,18 @@ def build_bf16(fp32: TrainingState, seed: int = 1) -> TrainingState:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return TrainingState(model, optimizer, torch.bfloat16)
+
+
+def linear_stack(gb: float, width: int = 2048) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A stack of square fp32 Linear layers (`width`) plus AdamW moments after one real step.
+
+    The state of the standalone scripts (bench_async, bench_tiers, bench_replica, the suite's
+    save_load scenario): `gb` of weights and two moments, at least one layer.
+    """
+    per_layer = width * width * 4 * 3  # weights + two Adam moments
+    layers = max(1, round(gb * 1e9 / per_layer))
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return model, opt
