@@ -130,8 +130,6 @@ class Saver:
                                          f"save of step {step}: reading state")
         check_consistency(world, self.spec, captured, summaries)
         check_replicas(world, captured, summaries)
-        args = (self.backend, self.spec)
-        rest = (step, tokens_seen, extra, world, self._plans)
         url = self.backend.display(checkpoint_name(step))
         nbytes = sum(c.nbytes for c in captured)
         stall: list[float] = []  # the loop's stall, known once save() is about to return
@@ -139,7 +137,9 @@ class Saver:
 
         def commit(items: list[Captured]) -> str:
             try:
-                name = save_checkpoint(*args, items, *rest)
+                name = save_checkpoint(self.backend, self.spec, items, step=step,
+                                       tokens_seen=tokens_seen, extra=extra, world=world,
+                                       plans=self._plans)
                 if after_commit is not None:
                     after_commit(name)
             except BaseException as exc:
