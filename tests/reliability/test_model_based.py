@@ -935,6 +935,15 @@ def test_regression_gc_dry_run_and_delete_agree_on_a_base_whose_referenced_file_
            ("gc", {"delete": True, "via_cli": True}))
 
 
+def test_regression_a_second_flip_at_the_same_place_does_not_repair_the_file(tmp_path, quiet):
+    # The model's own defect (seed 3004, 0583b0c): a flip was an XOR, so two rots of step 1's
+    # reused base at one place restored it; `verify` passed it, as it should, and the model,
+    # which records damage and never repair, reported a violation.
+    rot = ("rot_a_reused_file_then_save_incremental", {"where": 0.9, "saves": 0})
+    replay(tmp_path, {"keep_last": 2}, SAVE_INCREMENTAL, SAVE_INCREMENTAL, rot, rot,
+           ("cli_reads", {"pick": 0, "command": "verify"}))
+
+
 @pytest.mark.parametrize("how", ["link", "fifo"])
 def test_regression_gc_delete_removes_a_planted_claim_or_fails(tmp_path, quiet, how):
     replay(tmp_path, {"keep_last": 1}, ("plant_a_claim", {"how": how, "ahead": 0}),
