@@ -37,6 +37,8 @@ from statereg.errors import CorruptCheckpointError, StorageError
 _BUFFER = 8 * 1024 * 1024
 # Every this many bytes, the kernel is asked to start writing a file out (see _WritebackFile).
 _WRITEBACK_EVERY = 64 * 1024 * 1024
+# Writes at least this long go to the file directly, past its buffer.
+_UNBUFFERED = 256 * 1024
 # Filesystems without hard links answer link() with one of these; then O_EXCL is used.
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK,
              errno.ENOSYS}
@@ -166,31 +168,45 @@ class _WritebackFile:
     left to do. `keep(nbytes)` says whether the pages of a file of that size stay in the page
     cache (storage.read_cache): then writeback is started with sync_file_range, else with
     posix_fadvise(DONTNEED), which also lets the cache drop them (`drop_pages` after the
-    fsync drops the rest).
+    fsync drops the rest). Pieces of `_UNBUFFERED` bytes or more skip the file's buffer (a
+    tensor's bytes arrive in 1 MiB slices: records.py), and every failed write is the
+    backend's StorageError (`guard`), as a failed fsync is.
     """
 
-    def __init__(self, file: IO[bytes], keep: Callable[[int], bool]) -> None:
+    def __init__(self, file: IO[bytes], keep: Callable[[int], bool],
+                 guard: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
         self._file = file
         self._keep = keep
+        self._guard = guard  # reports a failed write as the backend's StorageError
         self._written = self._started = 0
-        self._advise = True
+        self._advise = hasattr(os, "posix_fadvise")
 
     def write(self, data: Any) -> int:
-        count = self._file.write(data)
-        self._written += count
-        if self._advise and self._written - self._started >= _WRITEBACK_EVERY:
-            self._file.flush()
-            # A filesystem without either: the final fsync does all the work.
-            self._advise = _start_writeback(self._file.fileno(), self._started,
-                                            self._written - self._started,
-                                            self._keep(self._written))
-            self._started = self._written
+        view = memoryview(data).cast("B")
+        with self._guard():
+            if len(view) >= _UNBUFFERED:
+                # The buffered file would copy a piece shorter than its buffer into it
+                # first: one more pass over every byte of a tensor handed on in slices.
+                self._file.flush()
+                raw, count = self._file.raw, 0  # type: ignore[attr-defined]
+                while count < len(view):
+                    count += raw.write(view[count:])
+            else:
+                count = self._file.write(view)
+            self._written += count
+            if self._advise and self._written - self._started >= _WRITEBACK_EVERY:
+                self._file.flush()
+                # A filesystem without either: the final fsync does all the work.
+                self._advise = _start_writeback(self._file.fileno(), self._started,
+                                                self._written - self._started,
+                                                self._keep(self._written))
+                self._started = self._written
         return count
 
     def drop_pages(self) -> None:
         """After the fsync: let the cache drop the file's pages (all clean now) unless the
         policy keeps a file of this size."""
-        if not self._keep(self._written):
+        if hasattr(os, "posix_fadvise") and not self._keep(self._written):
             with contextlib.suppress(OSError):
                 os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
@@ -549,10 +565,10 @@ class LocalBackend(StorageBackend):
         self._refuse_links("create", path)
         with self._storage_op("create", path):
             _makedirs_durable(os.path.dirname(full))
-            sink: Any = open(self._open_for_write(path, full), "wb",  # noqa: SIM115 - closed by the writer
-                             buffering=_BUFFER)
-            if hasattr(os, "posix_fadvise"):
-                sink = _WritebackFile(sink, self._keeps)
+            sink = _WritebackFile(
+                open(self._open_for_write(path, full), "wb",  # noqa: SIM115 - closed by the writer
+                     buffering=_BUFFER),
+                self._keeps, functools.partial(self._storage_op, "write", path))
 
         def durable(stream: IO[bytes]) -> None:
             with self._storage_op("write", path):
@@ -563,8 +579,7 @@ class LocalBackend(StorageBackend):
                     if os.fstat(fd).st_size > end:  # written over a longer file (shm.py)
                         os.ftruncate(fd, end)
                     os.fsync(fd)
-                    if isinstance(stream, _WritebackFile):
-                        stream.drop_pages()
+                    stream.drop_pages()
                 except BaseException:
                     # A failed write (a full disk or tmpfs) must not keep its descriptor:
                     # an open file keeps its pages after it is deleted.

@@ -445,9 +445,12 @@ def test_a_fresh_run_says_so(make_spec, make_model, caplog):
                and r.getMessage().endswith(": starting fresh") for r in caplog.records)
 
 
-def test_a_storage_failure_while_writing_is_a_storage_error(make_spec):
-    # A real failure from the OS: files may not grow past 64 KB while the save runs.
-    model = nn.Linear(256, 256)  # 256 KB of weights
+@pytest.mark.parametrize("width", [256, 2048], ids=["256 KB", "16 MB, past the file buffer"])
+def test_a_storage_failure_while_writing_is_a_storage_error(make_spec, width):
+    # A real failure from the OS: files may not grow past 64 KB while the save runs. A
+    # tensor larger than the local file's 8 MB buffer was once written past it, and its
+    # failure escaped as a bare OSError.
+    model = nn.Linear(width, width)
     mgr = statereg.CheckpointManager(make_spec("model", storage={"io_threads": 1}), model=model)
     previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
