@@ -27,6 +27,15 @@ nested-dict assignment, the zip writer, element sizes, the in-place DCP load).
     a stand-in base with the same interface and `codec.extension_registry()`, the hand-off to
     plain DCP readers, raises a StateregError that says why (`EXTENSIONS_AVAILABLE` is False).
     tests/compat/test_torch_private.py runs statereg with that module hidden.
+
+`PyTorchFileWriter` (`torch._C`), `_save`, `_get_storage_alignment` (`torch.serialization`)
+    What: torch.save's zip writer, opened with its CRC-32 turned off for one call (the public
+    switch, `set_crc32_options`, is process-wide: another thread's torch.save would lose its
+    CRCs), and the function torch.save runs inside it.
+    Why: records.py computes the CRC-32s itself, several times faster, and writes
+    torch.save's exact bytes (docs/performance.md, "CRC-32s at the speed of the copy").
+    Fallback: records.py checks once per process that its bytes equal torch.save's; without
+    these names, or if they differ, every record is written by torch.save as before.
 """
 
 from __future__ import annotations
@@ -82,6 +91,30 @@ except ImportError:  # see the docstring: statereg's reader needs no registry
         def transform_from(self, input: IO[bytes]) -> IO[bytes]:
             """The decoding stream."""
 
+try:
+    from torch._C import PyTorchFileWriter
+    from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment
+    from torch.serialization import _save as _save_into_zip
+
+    ZIP_WRITER_AVAILABLE = True
+except ImportError:  # see the docstring: torch.save, with torch's own CRCs, is used instead
+    ZIP_WRITER_AVAILABLE = False
+
+
+def zip_writer_without_crc(buffer: IO[bytes]) -> Any:
+    """torch's zip writer into `buffer`, computing no CRC-32 (records.py computes them)."""
+    return PyTorchFileWriter(buffer, False, _get_storage_alignment())
+
+
+def zip_writer_with_crc(buffer: IO[bytes]) -> Any:
+    """torch's zip writer with its CRC-32s, as torch.save uses it (records.py's probe)."""
+    return PyTorchFileWriter(buffer, True, _get_storage_alignment())
+
+
+def save_into_zip(obj: Any, writer: Any, pickle_module: Any) -> None:
+    """What torch.save does between opening its zip writer and ending it."""
+    _save_into_zip(obj, writer, pickle_module, DEFAULT_PROTOCOL, False)
+
 
 def storage_info(relative_path: str, offset: int, length: int,
                  transform_descriptors: Sequence[str] | None = None) -> Any:
@@ -90,5 +123,6 @@ def storage_info(relative_path: str, offset: int, length: int,
                        transform_descriptors=transform_descriptors)
 
 
-__all__ = ["EXTENSIONS_AVAILABLE", "ExtensionRegistry", "StorageInfo",
-           "StreamTransformExtension", "storage_info"]
+__all__ = ["EXTENSIONS_AVAILABLE", "ZIP_WRITER_AVAILABLE", "ExtensionRegistry", "StorageInfo",
+           "StreamTransformExtension", "save_into_zip", "storage_info", "zip_writer_with_crc",
+           "zip_writer_without_crc"]

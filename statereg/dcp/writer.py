@@ -2,11 +2,11 @@
 
 What changes from DCP's writer: the file system is built once with its options; no
 `checkpoint_id` and no fsync fallback (`sync_files=False`: our streams are durable before
-they report); the per-file loop is statereg's (each tensor one `torch.save` record, every
-item's stored bytes hashed as written, a failure in any writer thread raised); items an
-incremental save finds unchanged are referenced, not written; `.metadata` is written in place,
-with every item's digest (`ITEM_CHECKSUMS`). `CompressingTransforms` encodes items one by one
-(codec.py).
+they report); the per-file loop is statereg's (each tensor one `torch.save` record, its
+CRC-32s computed by records.py, every item's stored bytes hashed as written, a failure in any
+writer thread raised); items an incremental save finds unchanged are referenced, not written;
+`.metadata` is written in place, with every item's digest (`ITEM_CHECKSUMS`).
+`CompressingTransforms` encodes items one by one (codec.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -35,6 +34,7 @@ from statereg.backends.checksum import FileRecorder
 from statereg.dcp import METADATA_NAME, codec
 from statereg.dcp.fs import BackendFileSystem
 from statereg.dcp.metadata import ITEM_CHECKSUMS, gc_paused, shared_descriptors
+from statereg.dcp.records import save_record
 from statereg.dcp.reuse import Reusable, item_key, tensor_digest
 from statereg.dcp.torch_private import storage_info
 
@@ -179,7 +179,8 @@ class BackendWriter(FileSystemWriter):
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # torch.save would write the whole storage
-                    torch.save(tensor, target)
+                    # An encoder wants the tensor's bytes in one write (codec.EncodingStream).
+                    save_record(tensor, target, sliced=target is stream)
                 if target is not stream:
                     target.close()
                 length = file_stream.tell() - offset

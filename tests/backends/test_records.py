@@ -1,0 +1,178 @@
+"""statereg's tensor records: torch.save's bytes, CRC-32s computed by statereg (records.py)."""
+
+from __future__ import annotations
+
+import io
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import zipfile
+
+import pytest
+import torch
+
+from statereg.dcp import records, torch_private
+from statereg.errors import StateregError
+
+
+def torch_save_bytes(tensor: torch.Tensor) -> bytes:
+    out = io.BytesIO()
+    torch.save(tensor, out)
+    return out.getvalue()
+
+
+def record_bytes(tensor: torch.Tensor, sliced: bool = True) -> bytes:
+    out = io.BytesIO()
+    records.save_record(tensor, out, sliced=sliced)
+    return out.getvalue()
+
+
+TENSORS = {
+    "fp32": lambda: torch.randn(64, 33),
+    "bf16": lambda: torch.randn(1000).bfloat16(),
+    "fp16 across slices": lambda: torch.randn(3 * records.SLICE // 2 + 5).half(),
+    "fp32 three slices and a bit": lambda: torch.randn(3 * records.SLICE // 4 + 1),
+    "one slice exactly": lambda: torch.randn(records.SLICE // 4),
+    "scalar": lambda: torch.tensor(2.5, dtype=torch.float64),
+    "empty": lambda: torch.zeros(0),
+    "empty 2-d": lambda: torch.zeros(0, 7, dtype=torch.int64),
+    "bool": lambda: torch.rand(17) > 0.5,
+    "uint8": lambda: torch.arange(255, dtype=torch.uint8),
+    "complex": lambda: torch.randn(9, dtype=torch.complex64),
+    "float8": lambda: torch.randn(40).to(torch.float8_e4m3fn),
+    "uint16": lambda: torch.arange(30).to(torch.uint16),
+    # A payload that begins like a data descriptor whose sizes are zero: told apart by size.
+    "descriptor look-alike": lambda: torch.tensor([0x08074B50, 0, 0, 0], dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("sliced", [True, False], ids=["sliced", "whole"])
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_records_equal_torch_save_byte_for_byte_and_pass_zip_checks(name, sliced):
+    tensor = TENSORS[name]()
+    ours = record_bytes(tensor, sliced)
+    assert ours == torch_save_bytes(tensor)
+    archive = zipfile.ZipFile(io.BytesIO(ours))
+    assert archive.testzip() is None
+    assert all(member.CRC != 0 for member in archive.infolist() if member.file_size)
+    back = torch.load(io.BytesIO(ours), weights_only=True)
+    assert back.dtype == tensor.dtype
+    as_bytes = [t.reshape(-1).view(torch.uint8).tolist() for t in (back, tensor)]
+    assert as_bytes[0] == as_bytes[1]
+
+
+def test_this_torch_passes_the_probe():
+    # Otherwise every save silently pays torch's slower CRC-32 (still correct bytes).
+    assert torch_private.ZIP_WRITER_AVAILABLE
+    assert records.writer_checked()
+
+
+def test_a_process_wide_crc_switch_is_neither_needed_nor_changed():
+    # Another thread's torch.save must keep its CRCs while statereg writes without torch's:
+    # statereg never flips torch's process-wide switch; its own records carry CRCs anyway.
+    tensor = torch.randn(500)
+    torch.serialization.set_crc32_options(False)
+    try:
+        ours = record_bytes(tensor)
+        assert not torch.serialization.get_crc32_options()
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert ours == torch_save_bytes(tensor)
+
+
+def test_records_written_from_many_threads_at_once_are_all_right():
+    tensors = [torch.randn(5000 + i) for i in range(16)]
+    results: dict[int, bytes] = {}
+
+    def write(i: int) -> None:
+        results[i] = record_bytes(tensors[i])
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(tensors))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(results[i] == torch_save_bytes(t) for i, t in enumerate(tensors))
+
+
+@pytest.mark.parametrize("change", ["names missing", "bytes differ"])
+def test_a_torch_whose_writer_differs_gets_torch_save_itself(monkeypatch, change):
+    monkeypatch.setattr(records, "_checked", None)
+    if change == "names missing":
+        monkeypatch.setattr(torch_private, "ZIP_WRITER_AVAILABLE", False)
+    else:  # the reference writer aligns storages differently from the one records drives
+        monkeypatch.setattr(torch_private, "zip_writer_with_crc",
+                            lambda buffer: torch._C.PyTorchFileWriter(buffer, True, 4096))
+    assert not records.writer_checked()
+
+    def refused(*args):
+        raise AssertionError("the CRC-less writer ran after the probe failed")
+
+    monkeypatch.setattr(torch_private, "zip_writer_without_crc", refused)
+    tensor = torch.randn(300)
+    assert record_bytes(tensor) == torch_save_bytes(tensor)
+
+
+class FailingSink(io.RawIOBase):
+    """Fails the first write of at least `at` bytes (a full disk under the payload)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+        self.kept = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) >= self.at:
+            raise OSError(28, "No space left on device")
+        self.kept += view
+        return len(view)
+
+
+@pytest.mark.parametrize("sliced", [True, False], ids=["sliced", "whole"])
+def test_a_failing_stream_raises_its_error_and_the_next_record_is_whole(sliced):
+    # torch's writer, dropped unfinished, would write its end of file from a destructor: a
+    # second error there aborts the process. The error is the stream's, and nothing breaks.
+    tensor = torch.randn(1 << 18)
+    with pytest.raises(OSError, match="No space left"):
+        records.save_record(tensor, FailingSink(at=64 * 1024), sliced=sliced)
+    assert record_bytes(tensor) == torch_save_bytes(tensor)
+
+
+@pytest.mark.parametrize("pieces, expected", [
+    ([b"garbage that is no zip header!"], "a local header"),
+    # No data descriptor (flag bit 3 clear), yet a size: only empty records come so.
+    ([struct.pack("<4s2B4HL2L2H", b"PK\x03\x04", 0, 0, 0, 0, 0, 0, 0, 5, 5, 0, 0)],
+     "an empty record"),
+])
+def test_pieces_out_of_order_are_a_statereg_error_naming_what_was_expected(pieces, expected):
+    sink = io.BytesIO()
+    stream = records.CrcRecords(sink, payload=4)
+    with pytest.raises(StateregError, match=f"did not write {expected}.*Report this"):
+        for piece in pieces:
+            stream.write(piece)
+    with pytest.raises(StateregError, match="the central directory"):
+        records.CrcRecords(sink, payload=4).finish()
+
+
+def test_without_isal_the_standard_library_crc_writes_the_same_bytes():
+    script = textwrap.dedent("""
+        import io, sys, zlib
+        sys.modules["isal"] = sys.modules["isal.isal_zlib"] = None
+        import torch
+        from statereg.dcp import records
+        assert records.crc32 is zlib.crc32
+        t = torch.randn(70000)
+        a, b = io.BytesIO(), io.BytesIO()
+        torch.save(t, a); records.save_record(t, b)
+        print(a.getvalue() == b.getvalue())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
