@@ -15,7 +15,8 @@ tests/backends/test_records.py compares them over dtypes, shapes and sizes.
 torch's zip writer (miniz in streaming mode) writes each record as separate pieces: a local
 header (sizes and CRC zero), the name, the extra field (alignment padding), the data (absent
 for an empty storage), then a data descriptor with the CRC and sizes; after the last record,
-the central directory and the end records. This module follows those pieces and refuses
+the central directory and the end records (past 4 GiB, zip64: the extra field in two pieces,
+24-byte descriptors). This module follows those pieces and refuses
 (`_Unexpected`) anything else, before any byte of the unexpected piece is passed on.
 """
 
@@ -126,9 +127,13 @@ class CrcRecords(io.RawIOBase):
             self._crc = self._size = 0
             self._state = "extra" if self._extra_length else self._after_extra()
         elif state == "extra":
-            if size != self._extra_length:
+            # A zip64 record's extra field comes in two pieces: its zip64 sizes, then the
+            # alignment padding.
+            if size > self._extra_length:
                 raise _Unexpected("the record's extra field")
-            self._state = self._after_extra()
+            self._extra_length -= size
+            if not self._extra_length:
+                self._state = self._after_extra()
         elif state == "data":
             if self._name.startswith(_STORAGE_PREFIX) and size != self._payload:
                 raise _Unexpected(f"{self._payload} bytes of storage, got {size}")

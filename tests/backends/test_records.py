@@ -12,6 +12,7 @@ import zipfile
 
 import pytest
 import torch
+import xxhash
 
 from statereg.dcp import records, torch_private
 from statereg.errors import StateregError
@@ -176,3 +177,40 @@ def test_without_isal_the_standard_library_crc_writes_the_same_bytes():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+class DigestSink(io.RawIOBase):
+    """Keeps only the digest and length of what is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hasher = xxhash.xxh3_64()
+        self.length = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.hasher.update(view)
+        self.length += len(view)
+        return len(view)
+
+
+def _available_memory() -> int:
+    with open("/proc/meminfo") as info:
+        fields = dict(line.split(":", 1) for line in info)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or _available_memory() < 10 << 30,
+                    reason="needs a 4 GiB tensor and room beside it")
+def test_a_record_past_4_gib_is_zip64_and_still_torch_saves_bytes():
+    # Past 4 GiB miniz writes zip64 records: the extra field in two pieces, 24-byte data
+    # descriptors, for this record and every one after it (an embedding of 128k x 8k fp32).
+    tensor = torch.ones((1 << 32) + 4096, dtype=torch.uint8)
+    theirs, ours = DigestSink(), DigestSink()
+    torch.save(tensor, theirs)
+    records.save_record(tensor, ours)
+    assert ours.length == theirs.length > 1 << 32
+    assert ours.hasher.intdigest() == theirs.hasher.intdigest()
