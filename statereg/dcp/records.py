@@ -214,8 +214,12 @@ def save_record(tensor: torch.Tensor, out: Any, sliced: bool = True) -> None:
     """Write `torch.save(tensor)`'s bytes to `out`, its CRC-32s computed here (see above).
 
     `tensor` is a CPU tensor whose storage it covers exactly (the writer clones any other).
+    Anything but a plain strided tensor (a subclass, a sparse or quantized one, whose records
+    this module has not been checked against) goes to torch.save itself.
     """
-    if not writer_checked():
+    plain = (type(tensor) is torch.Tensor and tensor.layout == torch.strided
+             and not tensor.is_quantized)
+    if not plain or not writer_checked():
         torch.save(tensor, out)
         return
     _save_crc_records(tensor, out, sliced)
@@ -245,7 +249,9 @@ _check_lock = threading.Lock()
 
 def writer_checked() -> bool:
     """Whether this torch's zip writer, driven by `CrcRecords`, writes `torch.save`'s bytes:
-    checked once per process on probes of several dtypes and sizes (an empty one too)."""
+    checked once per process on probes of several dtypes and sizes (an empty one too). A
+    process that turned torch.save's CRC-32 off (`set_crc32_options(False)`) before its first
+    save keeps torch.save: its records then have no CRCs, as that process asked."""
     global _checked
     if _checked is None:
         with _check_lock:
@@ -262,9 +268,7 @@ def _probe() -> bool:
     try:
         for probe in probes:
             expected, ours = io.BytesIO(), io.BytesIO()
-            writer = torch_private.zip_writer_with_crc(expected)
-            torch_private.save_into_zip(probe, writer, pickle)
-            writer.write_end_of_file()
+            torch.save(probe, expected)
             _save_crc_records(probe, ours, sliced=True)
             if ours.getvalue() != expected.getvalue():
                 return False

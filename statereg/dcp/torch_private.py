@@ -106,11 +106,6 @@ def zip_writer_without_crc(buffer: IO[bytes]) -> Any:
     return PyTorchFileWriter(buffer, False, _get_storage_alignment())
 
 
-def zip_writer_with_crc(buffer: IO[bytes]) -> Any:
-    """torch's zip writer with its CRC-32s, as torch.save uses it (records.py's probe)."""
-    return PyTorchFileWriter(buffer, True, _get_storage_alignment())
-
-
 def save_into_zip(obj: Any, writer: Any, pickle_module: Any) -> None:
     """What torch.save does between opening its zip writer and ending it."""
     _save_into_zip(obj, writer, pickle_module, DEFAULT_PROTOCOL, False)
@@ -124,5 +119,4 @@ def storage_info(relative_path: str, offset: int, length: int,
 
 
 __all__ = ["EXTENSIONS_AVAILABLE", "ZIP_WRITER_AVAILABLE", "ExtensionRegistry", "StorageInfo",
-           "StreamTransformExtension", "save_into_zip", "storage_info", "zip_writer_with_crc",
-           "zip_writer_without_crc"]
+           "StreamTransformExtension", "save_into_zip", "storage_info", "zip_writer_without_crc"]

@@ -74,6 +74,7 @@ def test_a_process_wide_crc_switch_is_neither_needed_nor_changed():
     # Another thread's torch.save must keep its CRCs while statereg writes without torch's:
     # statereg never flips torch's process-wide switch; its own records carry CRCs anyway.
     tensor = torch.randn(500)
+    assert records.writer_checked()  # the probe ran before the switch was turned off
     torch.serialization.set_crc32_options(False)
     try:
         ours = record_bytes(tensor)
@@ -103,9 +104,9 @@ def test_a_torch_whose_writer_differs_gets_torch_save_itself(monkeypatch, change
     monkeypatch.setattr(records, "_checked", None)
     if change == "names missing":
         monkeypatch.setattr(torch_private, "ZIP_WRITER_AVAILABLE", False)
-    else:  # the reference writer aligns storages differently from the one records drives
-        monkeypatch.setattr(torch_private, "zip_writer_with_crc",
-                            lambda buffer: torch._C.PyTorchFileWriter(buffer, True, 4096))
+    else:  # the writer records drives aligns storages otherwise than torch.save's
+        monkeypatch.setattr(torch_private, "zip_writer_without_crc",
+                            lambda buffer: torch._C.PyTorchFileWriter(buffer, False, 4096))
     assert not records.writer_checked()
 
     def refused(*args):
@@ -214,3 +215,33 @@ def test_a_record_past_4_gib_is_zip64_and_still_torch_saves_bytes():
     records.save_record(tensor, ours)
     assert ours.length == theirs.length > 1 << 32
     assert ours.hasher.intdigest() == theirs.hasher.intdigest()
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass (its records carry its class)."""
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("kind", ["parameter", "quantized", "subclass"])
+def test_tensors_other_than_plain_ones_are_written_by_torch_save(monkeypatch, kind):
+    tensor = {"parameter": lambda: torch.nn.Parameter(torch.randn(40)),
+              "quantized": lambda: torch.quantize_per_tensor(torch.randn(40), 0.1, 0,
+                                                             torch.qint8),
+              "subclass": lambda: torch.randn(40).as_subclass(Marked)}[kind]()
+
+    def refused(*args):
+        raise AssertionError("records wrote a tensor it has not been checked against")
+
+    monkeypatch.setattr(torch_private, "zip_writer_without_crc", refused)
+    assert record_bytes(tensor) == torch_save_bytes(tensor)
+
+
+def test_a_process_that_turned_crcs_off_before_its_first_save_keeps_torch_save(monkeypatch):
+    monkeypatch.setattr(records, "_checked", None)
+    torch.serialization.set_crc32_options(False)
+    try:
+        assert not records.writer_checked()
+        tensor = torch.randn(300)
+        assert record_bytes(tensor) == torch_save_bytes(tensor)
+    finally:
+        torch.serialization.set_crc32_options(True)
