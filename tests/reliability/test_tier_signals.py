@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import sys
@@ -380,6 +381,43 @@ def test_handlers_are_installed_for_the_manager_and_given_back_at_close(
         assert "save" not in vars(mgr)  # save() is the class's again
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        signal.set_wakeup_fd(previous_fd)
+        os.close(loop_r)
+        os.close(loop_w)
+
+
+def test_other_signals_reach_the_wakeup_fd_that_was_set_before_and_children_have_their_own(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    # An event loop's wakeup fd, set before the manager: while the manager's pipe replaces
+    # it, the bytes of signals the manager does not declare are passed on to it. A child
+    # forked from the trainer (a DataLoader worker) writes nothing into the trainer's pipe,
+    # and a declared signal sent to it alone ends it as it would have without statereg.
+    loop_r, loop_w = os.pipe()
+    os.set_blocking(loop_w, False)
+    previous_fd = signal.set_wakeup_fd(loop_w)
+    previous_usr2 = signal.signal(signal.SIGUSR2, lambda signum, frame: None)
+    trainee = Trainee()
+    mgr = statereg.CheckpointManager(spec(tmp_path), model=trainee.model,
+                                     optimizer=trainee.optimizer)
+    try:
+        signal.raise_signal(signal.SIGUSR2)
+        ready, _, _ = select.select([loop_r], [], [], 5)
+        assert ready and os.read(loop_r, 16) == bytes([signal.SIGUSR2])
+
+        child = os.fork()
+        if child == 0:  # a DataLoader worker: its wakeup fd is not the trainer's pipe
+            code = 0 if current_wakeup_fd() == -1 else 3
+            if code == 0:
+                os.kill(os.getpid(), signal.SIGTERM)  # the default action: it ends here
+                time.sleep(5)
+            os._exit(code + 1)
+        _, status = os.waitpid(child, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+        time.sleep(0.2)  # the trainer's watcher saw nothing: it did not act and still waits
+        assert mgr._signals._received is None and mgr._signals._watcher.is_alive()
+    finally:
+        mgr.close()
+        signal.signal(signal.SIGUSR2, previous_usr2)
         signal.set_wakeup_fd(previous_fd)
         os.close(loop_r)
         os.close(loop_w)
