@@ -5,7 +5,7 @@ from here and nowhere else: a torch release that moves one breaks this module, i
 with a message that says what to install, instead of a traceback deep inside a save.
 docs/compatibility.md has the same list, the torch versions CI tests, and the private uses
 statereg has replaced with its own code (per-file writes, file views, tensor narrowing,
-nested-dict assignment, the zip writer, element sizes, the in-place DCP load).
+nested-dict assignment, element sizes, the in-place DCP load).
 
 `StorageInfo` (`torch.distributed.checkpoint.filesystem._StorageInfo`)
     What: DCP's record of where one item lies: file, offset, length, stream transforms.
