@@ -14,6 +14,7 @@ import pytest
 import torch
 import xxhash
 
+from statereg.backends.local import available_memory
 from statereg.dcp import records, torch_private
 from statereg.errors import StateregError
 
@@ -198,13 +199,7 @@ class DigestSink(io.RawIOBase):
         return len(view)
 
 
-def _available_memory() -> int:
-    with open("/proc/meminfo") as info:
-        fields = dict(line.split(":", 1) for line in info)
-    return int(fields["MemAvailable"].split()[0]) * 1024
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or _available_memory() < 10 << 30,
+@pytest.mark.skipif((available_memory() or 0) < 10 << 30,
                     reason="needs a 4 GiB tensor and room beside it")
 def test_a_record_past_4_gib_is_zip64_and_still_torch_saves_bytes():
     # Past 4 GiB miniz writes zip64 records: the extra field in two pieces, 24-byte data
