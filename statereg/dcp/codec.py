@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ _FLOAT_LAYOUT: dict[torch.dtype, tuple[int, bool]] = {
     torch.float64: (8, False),
 }
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 # magic, element size, rotated, elements per block, prefix, body and suffix lengths, xxh3_64
 # of the raw bytes; then the prefix; per block, each plane's (mode, length) and the planes;
@@ -131,14 +133,26 @@ def float_layout(dtype: torch.dtype | None) -> tuple[int, bool] | None:
     return _FLOAT_LAYOUT.get(dtype) if dtype is not None else None
 
 
-def _scratch(elem_size: int) -> list[np.ndarray]:
-    """Per-thread plane buffers for one block (reused: fresh pages cost ~0.27 s/GiB here)."""
+class _Scratch:
+    """Per-thread buffers for one block (reused: fresh pages cost ~0.27 s/GiB here): a plane
+    per byte of an element, the exponents, two spare byte planes, a mask, two pair buffers."""
+
+    def __init__(self, elem_size: int) -> None:
+        def plane() -> np.ndarray:
+            return np.empty(_BLOCK_ELEMS + 2, dtype=np.uint8)  # + 2: an odd count pads a pair
+
+        self.planes = [plane() for _ in range(elem_size)]
+        self.exponents, self.codes, self.spare = plane(), plane(), plane()
+        self.mask = np.empty(_BLOCK_ELEMS, dtype=bool)
+        self.pairs = [np.empty(_BLOCK_ELEMS // 2 + 1, dtype=np.uint16) for _ in range(2)]
+
+
+def _scratch(elem_size: int) -> _Scratch:
     cache = getattr(_local, "scratch", None)
     if cache is None:
         cache = _local.scratch = {}
     if elem_size not in cache:
-        cache[elem_size] = [np.empty(_BLOCK_ELEMS + 1, dtype=np.uint8)
-                            for _ in range(elem_size + 2)]
+        cache[elem_size] = _Scratch(elem_size)
     return cache[elem_size]
 
 
@@ -163,30 +177,39 @@ def encode_planes(body: memoryview, elem_size: int, rotate: bool,
                        len(suffix), digest.intdigest()))
     write(prefix)
     columns = np.frombuffer(body, dtype=np.uint8).reshape(-1, elem_size)
-    planes = _scratch(elem_size)
-    low, high = planes[elem_size:]
+    words = np.frombuffer(body, dtype=_UINT[elem_size]) if _LITTLE_ENDIAN else None
+    scratch = _scratch(elem_size)
     chosen: dict[int, zstandard.ZstdCompressor | None] = {}  # per plane, from the first block
     for start in range(0, len(columns), _BLOCK_ELEMS):
         block = columns[start:start + _BLOCK_ELEMS]
         count = len(block)
-        views = [planes[k][:count] for k in range(elem_size)]
-        for k in range(elem_size):
+        views = [plane[:count] for plane in scratch.planes]
+        # numpy has SIMD loops for casts and most byte operations, but not for shifting
+        # bytes left: `x + x` stands for `x << 1` below (measured: 0.1 ms against 0.9 ms a
+        # plane of 1Mi bytes), and the lowest byte is a narrowing cast of the elements.
+        if words is not None:
+            np.copyto(views[0], words[start:start + count], casting="unsafe")
+        else:
+            np.copyto(views[0], block[:, 0])
+        for k in range(1, elem_size):
             np.copyto(views[k], block[:, k])  # one strided column at a time, in cache
+        exponents = None
         if rotate:
             # Move the sign bit out of the top byte, so one plane holds exactly the exponents:
             # top' = exponent, next' = next byte's low 7 bits above the sign.
             top, nxt = views[-1], views[-2]
-            np.left_shift(top, 1, out=low[:count])
-            np.right_shift(nxt, 7, out=high[:count])
-            np.bitwise_or(low[:count], high[:count], out=low[:count])
-            np.left_shift(nxt, 1, out=high[:count])
+            exponents, spare = scratch.exponents[:count], scratch.spare[:count]
+            np.add(top, top, out=exponents)
+            np.right_shift(nxt, 7, out=spare)
+            np.bitwise_or(exponents, spare, out=exponents)
+            np.add(nxt, nxt, out=nxt)
             np.right_shift(top, 7, out=top)
-            np.bitwise_or(high[:count], top, out=nxt)
-            np.copyto(top, low[:count])
+            np.bitwise_or(nxt, top, out=nxt)
+            views[-1] = exponents
         coded: list[tuple[int, Any]] = []
         for k, view in enumerate(views):
-            if rotate and k == elem_size - 1:
-                packed = _nibble_exponents(view, settings, low, high)
+            if view is exponents:
+                packed = _nibble_exponents(view, settings, scratch)
                 if packed is not None:
                     coded.append((_NIBBLES, packed))
                     continue
@@ -205,26 +228,36 @@ def encode_planes(body: memoryview, elem_size: int, rotate: bool,
 
 
 def _nibble_exponents(exponents: np.ndarray, settings: CompressionSettings,
-                      codes: np.ndarray, spare: np.ndarray) -> bytes | None:
+                      scratch: _Scratch) -> bytes | None:
     """Exponents as 4-bit codes, two to a byte, zstd'd; None if too many fall outside."""
     count = len(exponents)
     sample = exponents[::max(1, count // 16384)]
     base = int(np.convolve(np.bincount(sample, minlength=256), _NIBBLE_WINDOW, "valid").argmax())
-    codes, spare = codes[:count + 1], spare[:count]
+    codes, spare, outside = scratch.codes[:count + 1], scratch.spare[:count], scratch.mask[:count]
     np.subtract(exponents, np.uint8((base - 1) % 256), out=codes[:count])  # window -> 1..15
     np.subtract(codes[:count], np.uint8(1), out=spare)
-    outside = spare > 14
-    escapes = exponents[outside]
-    if len(escapes) > count * _MAX_ESCAPES:
+    np.greater(spare, np.uint8(14), out=outside)
+    escape_count = int(np.count_nonzero(outside))
+    if escape_count > count * _MAX_ESCAPES:
         return None
-    codes[outside.nonzero()[0]] = 0
+    escapes = b""
+    if escape_count:
+        at = np.flatnonzero(outside)
+        escapes = exponents[at].tobytes()
+        codes[at] = 0
     codes[count] = 0  # pads an odd count
     half = (count + 1) // 2
+    # Two codes to a byte, first code high: as 16-bit pairs (little-endian: the first code is
+    # the low byte), the packed byte is the low byte of (pair << 4) | (pair >> 8).
+    pairs = codes[:2 * half].view(np.uint16)
+    high, low = scratch.pairs[0][:half], scratch.pairs[1][:half]
+    np.left_shift(pairs, 4, out=high)
+    np.right_shift(pairs, 8, out=low)
+    np.bitwise_or(high, low, out=high)
     packed = spare[:half]
-    np.left_shift(codes[0:2 * half:2], 4, out=packed)
-    np.bitwise_or(packed, codes[1:2 * half:2], out=packed)
-    return b"".join([_NIBBLE_HEADER.pack(base, len(escapes)), _plane(settings).compress(packed),
-                     escapes.tobytes()])
+    np.copyto(packed, high, casting="unsafe")
+    return b"".join([_NIBBLE_HEADER.pack(base, escape_count), _plane(settings).compress(packed),
+                     escapes])
 
 
 def _damaged(source: str, what: str) -> CorruptCheckpointError:
@@ -348,10 +381,13 @@ def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearra
             if len(plane) != count:
                 raise _damaged(source, f"plane {k} holds {len(plane)} bytes, expected {count}")
             planes.append(np.frombuffer(plane, dtype=np.uint8))
-        if rotate:
+        if rotate:  # `(x & 1) * 128` is `x << 7` without numpy's slow byte shift
             top, nxt = planes[-1], planes[-2]
-            planes[-1] = (top >> 1) | (nxt << 7)
-            planes[-2] = (nxt >> 1) | (top << 7)
+            top_low, sign = np.bitwise_and(top, 1), np.bitwise_and(nxt, 1)
+            np.multiply(top_low, np.uint8(128), out=top_low)
+            np.multiply(sign, np.uint8(128), out=sign)
+            planes[-1] = np.bitwise_or(np.right_shift(top, 1), sign)
+            planes[-2] = np.bitwise_or(np.right_shift(nxt, 1), top_low)
         for k in range(elem_size):
             block[:, k] = planes[k]
     out[prefix_len + body_len:] = take(suffix_len, "suffix")
