@@ -207,3 +207,34 @@ def test_an_unknown_read_cache_is_refused_naming_the_field(tmp_path):
         statereg.CheckpointManager(spec, model=nn.Linear(2, 2))
     with pytest.raises(statereg.SpecError, match=r"storage.read_cache 'sometimes'"):
         open_backend(str(tmp_path), read_cache="sometimes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ask", ["cachestat", "mincore"])
+def test_residency_is_asked_without_reading_the_file(root, monkeypatch, ask):
+    """`_cached` (whether a load reads a file from the cache or around it) answers by
+    cachestat(2), or mincore(2) where the kernel has none, and reads nothing either way."""
+    from statereg.backends import local
+
+    if ask == "mincore":
+        monkeypatch.setattr(local, "_cachestat_works", False)
+    root.mkdir(parents=True)
+    path = root / "data.distcp"
+    path.write_bytes(os.urandom(3 * mmap.PAGESIZE + 100))
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if ask == "cachestat" and local._cached_pages(local._libc(), fd, 0, 1) is None:
+            pytest.skip("this kernel has no cachestat(2) (Linux 6.5)")
+        os.read(fd, size)  # every page cached
+        assert local._cached(fd, [(0, size)])
+        evict([path])
+        before = disk_reads()
+        assert not local._cached(fd, [(0, size)])
+        assert not local._cached(fd, [(size - 50, size)])  # the last, partial page
+        assert disk_reads() == before and resident(path)[0] == 0
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around the next read
+        os.pread(fd, 10, mmap.PAGESIZE)  # one page back: a run over it alone is cached
+        assert local._cached(fd, [(mmap.PAGESIZE + 1, mmap.PAGESIZE + 9)])
+        assert not local._cached(fd, [(0, size)])
+    finally:
+        os.close(fd)
