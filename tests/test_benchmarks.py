@@ -335,3 +335,78 @@ def test_scale_breakdown_times_functions_a_save_calls(tmp_path: Path) -> None:
         mgr.save(step=1)
     calls = {name: len(spent) for (_, name), spent in clock.spent.items()}
     assert calls and not [name for name, count in calls.items() if count == 0], calls
+
+
+def test_field_quick_measures_the_in_process_contenders_and_reports_peers_not_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """perfsuite/field.py --quick without a peer venv: statereg, torch.save, safetensors and
+    plain DCP measure every operation (loads checked bit for bit by the scenario itself); the
+    peers that live in the venv, and zipnn, say how to install them; nothing is installed or
+    downloaded (no pip, no venv); every target is listed, evaluated where it was measured."""
+    real_run = subprocess.run
+
+    def no_install(command: list[str], *args: object, **kwargs: object) -> object:
+        assert not {"pip", "venv"} & set(map(str, command)), f"tried to install: {command}"
+        return real_run(command, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", no_install)
+    out, venv = tmp_path / "out", tmp_path / "no-venv"
+    run_here(monkeypatch, capsys, tmp_path, "-m", "perfsuite.field", "--quick", "--dir",
+             str(tmp_path), "--out", str(out), "--peer-venv", str(venv))
+    assert not venv.exists()
+    result = json.loads((out / "field.json").read_text())
+    assert {"command", "config", "machine", "page_cache", "states", "peer_venv",
+            "contenders", "compression", "targets", "elapsed_s"} <= set(result)
+    assert result["page_cache"].startswith("files evicted with posix_fadvise")
+    contenders = result["contenders"]
+    sync_loads = {"cold_load", "warm_load"}
+    expected = {
+        "statereg": {"save", "async_first_stall", "async_stall", "async_durable"} | sync_loads,
+        "torch_save": {"save"} | sync_loads,
+        "safetensors": {"save"} | sync_loads,
+        "dcp": {"save_t1", "save_t2", "async_first_stall", "async_stall", "async_durable"}
+        | sync_loads,
+    }
+    for name, ops in expected.items():
+        entry = contenders[name]
+        assert entry["status"] == "ok", (name, entry["status"])
+        assert set(entry["rows"]) == ops, (name, set(entry["rows"]) ^ ops)
+        for row in entry["rows"].values():
+            assert set(row) >= ROW_FIELDS and len(row["seconds"]) == 1
+        # The async checkpoint was loaded back after the loop rewrote every byte.
+        assert entry["async_consistent"] is (True if "async_stall" in ops else None)
+    for name in ("torch_checkpointing", "torchsnapshot", "megatron_core"):
+        assert contenders[name]["status"] == "not installed: run with --install"
+        assert contenders[name]["rows"] == {}
+    assert result["peer_venv"]["installed_now"] is False
+    assert "not installed: run with --install" in result["compression"]["zipnn"]
+    for dtype in ("fp32", "bf16"):
+        assert set(result["compression"]["rows"]) >= {f"statereg_save_{dtype}",
+                                                       f"dcp_zstd_save_{dtype}"}
+        for kind in ("weights", "exp_avg", "exp_avg_sq"):
+            ratio = result["compression"]["ratios"][dtype][kind]
+            assert ratio["statereg"] > 1.0 and ratio["dcp_zstd"] > 1.0
+            assert ratio["zipnn"] is None
+
+    targets = result["targets"]
+    assert len(targets) == 8
+    measured, unmeasured = targets[:6], targets[6:]
+    assert all(t["value"] is not None and t["met"] is (
+        t["value"] <= t["bar"] if t["op"] == "<=" else t["value"] >= t["bar"])
+        for t in measured)
+    assert all(t["met"] is None and "zipnn" in t["note"] for t in unmeasured)
+    # Evaluated on this run's medians: statereg's warm load over torch.load(mmap)'s.
+    warm = contenders["statereg"]["rows"]["warm_load"]["median_s"] / contenders[
+        "torch_save"]["rows"]["warm_load"]["median_s"]
+    assert targets[0]["value"] == round(warm, 3) and targets[0]["bar"] == 1.0
+
+    # The floors under the loads, on statereg's own files in the same repetition.
+    assert set(result["floors"]) == {"cold_direct", "warm_copy", "warm_copy_hash"}
+    assert all(row["median_s"] > 0 for row in result["floors"].values())
+    assert [b["value"] is not None for b in result["bounds"]] == [True] * 4
+
+    table = (out / "field.md").read_text()
+    assert "| statereg | sync save (durable) | " in table
+    assert "| torchsnapshot | torchsnapshot | " in table and "### Targets" in table
+    assert not list(tmp_path.glob("statereg-field-*"))  # the work folder is removed
