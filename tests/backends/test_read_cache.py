@@ -211,7 +211,7 @@ def test_an_unknown_read_cache_is_refused_naming_the_field(tmp_path):
 
 @pytest.mark.parametrize("ask", ["cachestat", "mincore"])
 def test_residency_is_asked_without_reading_the_file(root, monkeypatch, ask):
-    """`_cached` (whether a load reads a file from the cache or around it) answers by
+    """`_cached_share` (whether a load reads a file from the cache or around it) answers by
     cachestat(2), or mincore(2) where the kernel has none, and reads nothing either way."""
     from statereg.backends import local
 
@@ -219,22 +219,62 @@ def test_residency_is_asked_without_reading_the_file(root, monkeypatch, ask):
         monkeypatch.setattr(local, "_cachestat_works", False)
     root.mkdir(parents=True)
     path = root / "data.distcp"
-    path.write_bytes(os.urandom(3 * mmap.PAGESIZE + 100))
+    pages = 4
+    path.write_bytes(os.urandom((pages - 1) * mmap.PAGESIZE + 100))
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY)
     try:
         if ask == "cachestat" and local._cached_pages(local._libc(), fd, 0, 1) is None:
             pytest.skip("this kernel has no cachestat(2) (Linux 6.5)")
         os.read(fd, size)  # every page cached
-        assert local._cached(fd, [(0, size)])
+        assert local._cached_share(fd, [(0, size)]) == 1.0
         evict([path])
         before = disk_reads()
-        assert not local._cached(fd, [(0, size)])
-        assert not local._cached(fd, [(size - 50, size)])  # the last, partial page
+        assert local._cached_share(fd, [(0, size)]) == 0.0
+        assert local._cached_share(fd, [(size - 50, size)]) == 0.0  # the last, partial page
         assert disk_reads() == before and resident(path)[0] == 0
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around the next read
-        os.pread(fd, 10, mmap.PAGESIZE)  # one page back: a run over it alone is cached
-        assert local._cached(fd, [(mmap.PAGESIZE + 1, mmap.PAGESIZE + 9)])
-        assert not local._cached(fd, [(0, size)])
+        os.pread(fd, 10, mmap.PAGESIZE)  # one page back
+        assert local._cached_share(fd, [(mmap.PAGESIZE + 1, mmap.PAGESIZE + 9)]) == 1.0
+        assert local._cached_share(fd, [(0, size)]) == 1 / pages
+        assert local._cached_share(fd, [(0, 10), (mmap.PAGESIZE, mmap.PAGESIZE + 10)]) == 0.5
     finally:
         os.close(fd)
+
+
+def test_a_file_nearly_all_cached_is_read_from_the_cache_without_read_ahead(root, monkeypatch):
+    """The kernel's proactive reclaim drops a few idle pages of a file read a moment ago: a
+    load that finds nearly all of a file cached reads it through the cache, without starting
+    a read-ahead over all of it, under every policy (O_DIRECT would read it all again)."""
+    from statereg.backends import local
+
+    saved = Run(seed=0)
+    expected = saved.state()
+    manager(root, saved).save(step=1)
+    files = data_files(root)
+    for path in files:  # all cached, then one page in a hundred dropped
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.read(fd, path.stat().st_size)
+            os.posix_fadvise(fd, mmap.PAGESIZE, mmap.PAGESIZE, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        cached, pages = resident(path)
+        assert pages - 2 <= cached < pages
+    started: list[int] = []
+    real = local._ReadAhead.__init__
+
+    def read_ahead(self, fd, ranges):
+        started.append(fd)
+        real(self, fd, ranges)
+
+    monkeypatch.setattr(local._ReadAhead, "__init__", read_ahead)
+    for policy in ("auto", "bypass"):
+        run = Run(seed=1)
+        before = disk_reads()
+        manager(root, run, read_cache=policy).load()
+        assert_loaded(run, expected)
+        read = disk_reads() - before
+        stored = sum(path.stat().st_size for path in files)
+        assert read <= stored // 50, f"{policy}: read {read} of {stored} bytes from disk"
+    assert started == []
