@@ -247,15 +247,19 @@ def _nibble_exponents(exponents: np.ndarray, settings: CompressionSettings,
         codes[at] = 0
     codes[count] = 0  # pads an odd count
     half = (count + 1) // 2
-    # Two codes to a byte, first code high: as 16-bit pairs (little-endian: the first code is
-    # the low byte), the packed byte is the low byte of (pair << 4) | (pair >> 8).
-    pairs = codes[:2 * half].view(np.uint16)
-    high, low = scratch.pairs[0][:half], scratch.pairs[1][:half]
-    np.left_shift(pairs, 4, out=high)
-    np.right_shift(pairs, 8, out=low)
-    np.bitwise_or(high, low, out=high)
     packed = spare[:half]
-    np.copyto(packed, high, casting="unsafe")
+    if _LITTLE_ENDIAN:
+        # Two codes to a byte, first code high: as 16-bit pairs (the first code is the low
+        # byte), the packed byte is the low byte of (pair << 4) | (pair >> 8).
+        pairs = codes[:2 * half].view(np.uint16)
+        high, low = scratch.pairs[0][:half], scratch.pairs[1][:half]
+        np.left_shift(pairs, 4, out=high)
+        np.right_shift(pairs, 8, out=low)
+        np.bitwise_or(high, low, out=high)
+        np.copyto(packed, high, casting="unsafe")
+    else:
+        np.multiply(codes[0:2 * half:2], np.uint8(16), out=packed)
+        np.bitwise_or(packed, codes[1:2 * half:2], out=packed)
     return b"".join([_NIBBLE_HEADER.pack(base, escape_count), _plane(settings).compress(packed),
                      escapes])
 

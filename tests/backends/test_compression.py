@@ -170,8 +170,11 @@ PLANES_V2_DIGESTS = {
 }
 
 
+@pytest.mark.parametrize("little_endian", [True, False], ids=["word-casts", "byte-columns"])
 @pytest.mark.parametrize("name", sorted(PLANES_V2_DIGESTS))
-def test_float_planes_version_2_bytes_do_not_change(name):
+def test_float_planes_version_2_bytes_do_not_change(name, little_endian, monkeypatch):
+    # The byte-column path is what a big-endian host runs; it must write the same bytes.
+    monkeypatch.setattr(codec, "_LITTLE_ENDIAN", little_endian)
     tensor = _format_inputs()[name]
     raw = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
     elem, rotate = codec.float_layout(tensor.dtype)
