@@ -30,7 +30,23 @@ class ObjectAdapter:
         """Raise if saved state can no longer be applied correctly (checked before loading)."""
 
     def restore(self, state: Any) -> None:
+        scheduler = isinstance(self.obj, torch.optim.lr_scheduler.LRScheduler) and isinstance(
+            state, dict)
+        if scheduler and not hasattr(self, "_native_keys"):
+            self._native_keys = set(self.obj.state_dict())
         self.obj.load_state_dict(state)
+        if scheduler:
+            self._drop_keys_only_an_earlier_load_set(state)
+
+    def _drop_keys_only_an_earlier_load_set(self, state: dict[str, Any]) -> None:
+        """torch's schedulers load by `__dict__.update(state)`: an attribute that an earlier
+        load brought (a checkpoint of another scheduler version, or a damaged one read with
+        verify: off) outlives this load and would be saved from then on, so the object would
+        not hold exactly what this checkpoint saved. Drop those: attributes neither in this
+        state nor the scheduler's own before its first load."""
+        for key in set(self.obj.state_dict()) - set(state) - self._native_keys:
+            if key in vars(self.obj):
+                delattr(self.obj, key)
 
     def reshard(self, states: list[Any], rank: int, world_size: int) -> Any:
         """This rank's state after a world-size change, from every saved rank's state.
