@@ -1015,3 +1015,22 @@ def test_regression_a_claim_another_thread_is_still_taking_is_live(tmp_path, qui
     fresh = Live(99)
     statereg.CheckpointManager(declaration(root, {}), **fresh.objects()).load(step=1)
     assert_identical(fresh.snapshot()["model"], a.snapshot()["model"])
+
+
+def test_regression_a_resume_after_an_unverified_damaged_load_holds_only_the_saved_keys(
+        tmp_path, quiet):
+    # Seed 5039 (410d3cf): load(verify="off") of a checkpoint whose scheduler state.json had
+    # a flipped byte in a key merged a key into the live scheduler (torch's load_state_dict
+    # updates __dict__); the next resume kept it beside the saved keys.
+    replay(tmp_path, {"keep_last": 3, "keep_best": {"metric": "loss", "mode": "min", "count": 1}},
+           ("cp_to_a_second_root", {"pick": 37, "via_cli": False}),
+           ("rot_a_reused_file_then_save_incremental", {"saves": 2, "where": 0.0}),
+           ("save_with_bad_arguments", {"which": "huge step"}),
+           ("damage_a_file", {"file": 59, "how": "truncate", "pick": 20, "where": 0.0}),
+           ("save_with_bad_arguments", {"which": "huge step"}),
+           ("resume", {}),
+           ("damage_a_file", {"file": 62, "how": "flip", "pick": 0, "where": 0.9}),
+           ("rot_a_reused_file_then_save_incremental", {"saves": 1, "where": 0.9}),
+           ("load_by_step", {"pick": 50, "verify": "off"}),
+           ("cp_to_a_second_root", {"pick": 33, "via_cli": False}),
+           ("resume", {}))
