@@ -22,6 +22,8 @@ class ObjectAdapter:
         self.name = name
         self.kind = kind
         self.obj = obj
+        # A scheduler's state_dict() keys before its first load (see restore()).
+        self._native_keys: set[str] | None = None
 
     def capture(self) -> Any:
         return self.obj.state_dict()
@@ -32,7 +34,7 @@ class ObjectAdapter:
     def restore(self, state: Any) -> None:
         scheduler = isinstance(self.obj, torch.optim.lr_scheduler.LRScheduler) and isinstance(
             state, dict)
-        if scheduler and not hasattr(self, "_native_keys"):
+        if scheduler and self._native_keys is None:
             self._native_keys = set(self.obj.state_dict())
         self.obj.load_state_dict(state)
         if scheduler:
@@ -44,7 +46,7 @@ class ObjectAdapter:
         verify: off) outlives this load and would be saved from then on, so the object would
         not hold exactly what this checkpoint saved. Drop those: attributes neither in this
         state nor the scheduler's own before its first load."""
-        for key in set(self.obj.state_dict()) - set(state) - self._native_keys:
+        for key in set(self.obj.state_dict()) - set(state) - (self._native_keys or set()):
             if key in vars(self.obj):
                 delattr(self.obj, key)
 
