@@ -294,7 +294,9 @@ def _cached_pages(libc: Any, fd: int, first: int, pages: int) -> int | None:
     if not _cachestat_works:
         return None
     span, stat = _CacheStatRange(first * mmap.PAGESIZE, pages * mmap.PAGESIZE), _CacheStat()
-    if libc.syscall(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
+    # syscall(2) is variadic and reads every argument as a long: pass longs, not C ints.
+    if libc.syscall(ctypes.c_long(_CACHESTAT), ctypes.c_long(fd), ctypes.byref(span),
+                    ctypes.byref(stat), ctypes.c_long(0)) != 0:
         if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
             _cachestat_works = False
         return None
