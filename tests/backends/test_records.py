@@ -50,9 +50,13 @@ TENSORS = {
 }
 
 
+@pytest.mark.parametrize("path", ["as chosen", "all through CrcRecords"])
 @pytest.mark.parametrize("sliced", [True, False], ids=["sliced", "whole"])
 @pytest.mark.parametrize("name", list(TENSORS))
-def test_records_equal_torch_save_byte_for_byte_and_pass_zip_checks(name, sliced):
+def test_records_equal_torch_save_byte_for_byte_and_pass_zip_checks(name, sliced, path,
+                                                                    monkeypatch):
+    if path != "as chosen":  # small tensors too: torch.save writes them otherwise
+        monkeypatch.setattr(records, "_SMALL_RECORD", 0)
     tensor = TENSORS[name]()
     ours = record_bytes(tensor, sliced)
     assert ours == torch_save_bytes(tensor)
@@ -86,7 +90,7 @@ def test_a_process_wide_crc_switch_is_neither_needed_nor_changed():
 
 
 def test_records_written_from_many_threads_at_once_are_all_right():
-    tensors = [torch.randn(5000 + i) for i in range(16)]
+    tensors = [torch.randn(records._SMALL_RECORD // 4 + i) for i in range(16)]
     results: dict[int, bytes] = {}
 
     def write(i: int) -> None:
@@ -98,6 +102,26 @@ def test_records_written_from_many_threads_at_once_are_all_right():
     for thread in threads:
         thread.join()
     assert all(results[i] == torch_save_bytes(t) for i, t in enumerate(tensors))
+
+
+def test_small_tensors_are_torch_saves_own_records_and_larger_ones_go_through_crc_records(
+        monkeypatch):
+    # torch's CRC-32 of a few KiB costs less than CrcRecords' work per piece (~40 a tensor):
+    # below _SMALL_RECORD bytes, save_record is torch.save.
+    made = []
+    real = records.CrcRecords
+
+    def counted(*args, **kwargs):
+        made.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(records, "CrcRecords", counted)
+    small = torch.randn(records._SMALL_RECORD // 4 - 1)
+    large = torch.randn(records._SMALL_RECORD // 4)
+    assert record_bytes(small) == torch_save_bytes(small)
+    assert made == []
+    assert record_bytes(large) == torch_save_bytes(large)
+    assert made == [records._SMALL_RECORD]
 
 
 @pytest.mark.parametrize("change", ["names missing", "bytes differ"])
