@@ -106,6 +106,11 @@ def zip_writer_without_crc(buffer: IO[bytes]) -> Any:
     return PyTorchFileWriter(buffer, False, _get_storage_alignment())
 
 
+def storage_alignment() -> int:
+    """The alignment torch.save pads each storage's bytes to (a runtime setting)."""
+    return _get_storage_alignment()
+
+
 def save_into_zip(obj: Any, writer: Any, pickle_module: Any) -> None:
     """What torch.save does between opening its zip writer and ending it."""
     _save_into_zip(obj, writer, pickle_module, DEFAULT_PROTOCOL, False)
@@ -119,4 +124,5 @@ def storage_info(relative_path: str, offset: int, length: int,
 
 
 __all__ = ["EXTENSIONS_AVAILABLE", "ZIP_WRITER_AVAILABLE", "ExtensionRegistry", "StorageInfo",
-           "StreamTransformExtension", "save_into_zip", "storage_info", "zip_writer_without_crc"]
+           "StreamTransformExtension", "save_into_zip", "storage_alignment", "storage_info",
+           "zip_writer_without_crc"]

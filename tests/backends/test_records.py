@@ -50,13 +50,13 @@ TENSORS = {
 }
 
 
-@pytest.mark.parametrize("path", ["as chosen", "all through CrcRecords"])
+@pytest.mark.parametrize("path", ["as chosen", "through CrcRecords"])
 @pytest.mark.parametrize("sliced", [True, False], ids=["sliced", "whole"])
 @pytest.mark.parametrize("name", list(TENSORS))
 def test_records_equal_torch_save_byte_for_byte_and_pass_zip_checks(name, sliced, path,
                                                                     monkeypatch):
-    if path != "as chosen":  # small tensors too: torch.save writes them otherwise
-        monkeypatch.setattr(records, "_SMALL_RECORD", 0)
+    if path != "as chosen":  # no templates
+        monkeypatch.setattr(records, "_TEMPLATED_UP_TO", -1)
     tensor = TENSORS[name]()
     ours = record_bytes(tensor, sliced)
     assert ours == torch_save_bytes(tensor)
@@ -90,7 +90,7 @@ def test_a_process_wide_crc_switch_is_neither_needed_nor_changed():
 
 
 def test_records_written_from_many_threads_at_once_are_all_right():
-    tensors = [torch.randn(records._SMALL_RECORD // 4 + i) for i in range(16)]
+    tensors = [torch.randn(5000 + i % 2) for i in range(16)]  # two templates, eight uses
     results: dict[int, bytes] = {}
 
     def write(i: int) -> None:
@@ -104,24 +104,85 @@ def test_records_written_from_many_threads_at_once_are_all_right():
     assert all(results[i] == torch_save_bytes(t) for i, t in enumerate(tensors))
 
 
-def test_small_tensors_are_torch_saves_own_records_and_larger_ones_go_through_crc_records(
-        monkeypatch):
-    # torch's CRC-32 of a few KiB costs less than CrcRecords' work per piece (~40 a tensor):
-    # below _SMALL_RECORD bytes, save_record is torch.save.
+def other_data(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """A tensor of `tensor`'s layout (dtype, shape, strides, storage) with other bytes."""
+    other = tensor.clone()
+    raw = torch.empty(0, dtype=torch.uint8).set_(other.untyped_storage(), 0,
+                                                 (other.untyped_storage().nbytes(),))
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(seed)))
+    if raw.numel() >= 8 and seed % 2:  # the payload starts like a data descriptor
+        raw[:4] = torch.tensor(list(records._DESCRIPTOR), dtype=torch.uint8)
+    return other
+
+
+@pytest.mark.parametrize("sliced", [True, False], ids=["sliced", "whole"])
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_a_layouts_template_writes_torch_saves_bytes_for_any_data(name, sliced, monkeypatch):
+    # The template is made from the first record of a layout; every later tensor of that
+    # layout, whatever its bytes (one that starts like a descriptor too), gets torch.save's.
+    monkeypatch.setattr(records, "_templates", {})
+    first = TENSORS[name]()
+    if first.dtype == torch.bool:
+        first = first.to(torch.uint8).view(torch.bool)  # other_data writes any byte
+    assert record_bytes(first, sliced) == torch_save_bytes(first)
+    for seed in range(4):
+        other = other_data(first, seed) if first.dtype != torch.bool else first.logical_not()
+        assert record_bytes(other, sliced) == torch_save_bytes(other), seed
+
+
+def test_only_a_layouts_first_record_runs_torchs_writer(monkeypatch):
     made = []
-    real = records.CrcRecords
+    real = records._save_crc_records
 
-    def counted(*args, **kwargs):
-        made.append(args[1])
-        return real(*args, **kwargs)
+    def counted(tensor, out, sliced):
+        made.append(tuple(tensor.shape))
+        real(tensor, out, sliced)
 
-    monkeypatch.setattr(records, "CrcRecords", counted)
-    small = torch.randn(records._SMALL_RECORD // 4 - 1)
-    large = torch.randn(records._SMALL_RECORD // 4)
-    assert record_bytes(small) == torch_save_bytes(small)
-    assert made == []
-    assert record_bytes(large) == torch_save_bytes(large)
-    assert made == [records._SMALL_RECORD]
+    monkeypatch.setattr(records, "_templates", {})
+    monkeypatch.setattr(records, "_save_crc_records", counted)
+    tensors = [torch.randn(64, 3), torch.randn(64, 3), torch.randn(3, 64), torch.randn(64, 3)]
+    assert [record_bytes(t) for t in tensors] == [torch_save_bytes(t) for t in tensors]
+    assert made == [(64, 3), (3, 64)]
+    big = torch.randn(records._TEMPLATED_UP_TO // 4 + 1)  # past the limit: no template
+    assert record_bytes(big) == torch_save_bytes(big)
+    assert made[-1] == tuple(big.shape) and len(records._templates) == 2
+
+
+def test_a_torch_whose_records_hold_more_data_dependent_bytes_gets_no_templates(monkeypatch):
+    # The probe writes a second tensor of each probe's layout through its template: were the
+    # records to depend on the data anywhere else, templates would stay off for the process.
+    real_write = records._Template.write
+
+    def other_bytes(self, tensor, out, sliced):
+        real_write(self, tensor, out, sliced)
+        out.write(b"!")
+
+    monkeypatch.setattr(records, "_templates_usable", None)
+    monkeypatch.setattr(records, "_templates", {})
+    monkeypatch.setattr(records._Template, "write", other_bytes)
+    assert not records.templates_checked()
+    tensors = [torch.randn(7, 7), torch.randn(7, 7)]
+    assert [record_bytes(t) for t in tensors] == [torch_save_bytes(t) for t in tensors]
+    assert records._templates == {}
+
+
+def test_a_record_not_shaped_as_expected_keeps_its_layout_on_the_plain_path(monkeypatch):
+    assert records.templates_checked()
+
+    def unexpected(self, record, payload):  # e.g. a torch that writes two storages
+        raise records._Unexpected("one storage record and a serialization id")
+
+    monkeypatch.setattr(records, "_templates", {})
+    monkeypatch.setattr(records._Template, "__init__", unexpected)
+    tensors = [torch.randn(7, 7), torch.randn(7, 7)]
+    assert [record_bytes(t) for t in tensors] == [torch_save_bytes(t) for t in tensors]
+    assert list(records._templates.values()) == [None]
+
+
+def test_this_torch_passes_the_template_probe():
+    # Otherwise every save pays torch's pickler and CrcRecords for every tensor again.
+    assert records.templates_checked()
 
 
 @pytest.mark.parametrize("change", ["names missing", "bytes differ"])
