@@ -72,6 +72,7 @@ class BackendReader(FileSystemReader):
         self.records = records
         self._backend = backend
         self._metadata_bytes: bytes | None = None
+        self._metadata_checked = False  # _metadata_bytes passed load_dcp_metadata's check
         self._metadata: Metadata | None = None
         self._checksums: dict[MetadataIndex, int] = {}
 
@@ -231,7 +232,10 @@ class BackendReader(FileSystemReader):
         meta_path = self.fs.concat_path(self.path, METADATA_NAME)
         if self._metadata_bytes is None:
             self._metadata_bytes = self._backend.read_bytes(meta_path)
-        metadata = load_dcp_metadata(self._metadata_bytes, self._backend.display(meta_path))
+        # A fresh object each time (DCP sets fields on it), the same bytes checked once.
+        metadata = load_dcp_metadata(self._metadata_bytes, self._backend.display(meta_path),
+                                     checked=self._metadata_checked)
+        self._metadata_checked = True
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -200,6 +200,27 @@ def _walk_head(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple
         pos = _skip_descriptor(head, start + size, size) if flags & 8 else start + size
 
 
+# Per (dtype, shape): the bytes before the payload of the last record walked, and its
+# (start, size). _walk_head reads nothing past the payload's start, so a record whose first
+# `start` bytes are the same has the same answer: the records of one layout (torch.save
+# writes them alike) are walked once, then compared.
+_walks: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, int, int]] = {}
+_WALKS_KEPT = 4096
+
+
+def _walked(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
+    """_walk_head's answer, from _walks when the record starts as the last one of its layout."""
+    key = (dtype, shape)
+    known = _walks.get(key)
+    if known is not None and head.startswith(known[0]):
+        return known[1], known[2]
+    start, nbytes = _walk_head(head, dtype, shape)
+    if len(_walks) >= _WALKS_KEPT:
+        _walks.clear()
+    _walks[key] = (head[:start], start, nbytes)
+    return start, nbytes
+
+
 def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
              shape: tuple[int, ...]) -> tuple[int, bool] | None:
     """Offset in `stream` of the raw bytes of the record at [offset, offset+length), if plain,
@@ -207,7 +228,7 @@ def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
     window = _Window(stream, offset, length)
     try:
         head = _read_exact(window, 0, min(length, _HEAD_BYTES))
-        start, nbytes = _walk_head(head, dtype, shape)
+        start, nbytes = _walked(head, dtype, shape)
         if start + nbytes + _DESCRIPTOR.size <= length:
             return offset + start, True
     except (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,

@@ -94,6 +94,36 @@ def test_the_payload_is_found_from_the_record_head_alone(monkeypatch):
     assert torch.equal(target, tensor)
 
 
+def test_a_layout_is_walked_once_and_a_record_that_starts_otherwise_is_walked_again(
+        monkeypatch):
+    # Records of one layout start with the same bytes: the walk's answer is kept and reused
+    # for a record whose head starts with them; any other head (damage in its pickle, the
+    # header of a record of another storage) is walked afresh and declined if it must be.
+    monkeypatch.setattr(torchsave, "_walks", {})
+    walked = []
+    real = torchsave._walk_head
+
+    def counted(head, dtype, shape):
+        walked.append(len(head))
+        return real(head, dtype, shape)
+
+    monkeypatch.setattr(torchsave, "_walk_head", counted)
+    tensors = [torch.randn(300, 7) for _ in range(3)]
+    for tensor in tensors:
+        stream, offset, length = record(tensor)
+        target = torch.zeros(300, 7)
+        assert torchsave.read_into(stream, offset, length, target)
+        assert torch.equal(target, tensor)
+    assert len(walked) == 1
+    stream, offset, length = record(torch.randn(300, 7))
+    data = bytearray(stream.getvalue())
+    pickled = data.index(b"_rebuild_tensor_v2", offset)
+    data[pickled] ^= 0x01  # the record now rebuilds with another function: not plain
+    target = torch.zeros(300, 7)
+    assert not torchsave.read_into(io.BytesIO(bytes(data)), offset, length, target)
+    assert len(walked) == 2 and not target.any()
+
+
 def test_a_head_the_walk_cannot_follow_is_read_through_the_central_directory():
     tensor = torch.randn(64)
     stream, offset, length = record(tensor)

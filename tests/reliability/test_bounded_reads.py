@@ -190,3 +190,33 @@ def test_verify_on_an_object_store_fetches_a_file_in_bounded_blocks(store):
     statereg.read_manifest(url, store.options)  # connected: only verify's reading counts
     grown = peak_growth(lambda: statereg.verify(url, store.options))
     assert grown < size // 4, f"verify: peak memory grew by {grown >> 20} MiB"
+
+
+def test_a_reader_checks_its_metadata_once_and_a_malformed_one_every_time(tmp_path,
+                                                                           monkeypatch):
+    # DCP asks the reader for `.metadata` again after statereg did: the same bytes, parsed
+    # afresh (DCP sets fields on the object) but checked field by field only the first time.
+    from statereg.backends.registry import open_backend
+    from statereg.dcp import metadata as dcp_metadata
+    from statereg.dcp.reader import BackendReader
+    from statereg.errors import CorruptCheckpointError
+
+    statereg.CheckpointManager({"storage": {"url": str(tmp_path)}, "components": {
+        "model": {"kind": "model"}}}, model=nn.Linear(3, 2)).save(step=1)
+    backend = open_backend(str(tmp_path), {})
+    checks = []
+    real = dcp_metadata._metadata_defect
+    monkeypatch.setattr(dcp_metadata, "_metadata_defect",
+                        lambda metadata: checks.append(1) or real(metadata))
+    reader = BackendReader(backend, "step_00000001/model")
+    first, second = reader.read_metadata(), reader.read_metadata()
+    assert first is not second and first.state_dict_metadata.keys() == {"weight", "bias"}
+    assert len(checks) == 1
+
+    malformed = first
+    malformed.state_dict_metadata = list(malformed.state_dict_metadata)
+    (tmp_path / "step_00000001" / "model" / ".metadata").write_bytes(pickle.dumps(malformed))
+    reader = BackendReader(backend, "step_00000001/model")
+    for _ in range(2):
+        with pytest.raises(CorruptCheckpointError, match="state_dict_metadata is not a dict"):
+            reader.read_metadata()

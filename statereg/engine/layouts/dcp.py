@@ -363,7 +363,9 @@ class GroupReader(BackendReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         where = self.source.display(f"{self.path}/{METADATA_NAME}")
-        metadata = load_dcp_metadata(self.metadata_bytes, where)
+        # A fresh object each time (DCP sets fields on it), the same bytes checked once.
+        metadata = load_dcp_metadata(self.metadata_bytes, where, checked=self._metadata_checked)
+        self._metadata_checked = True
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
