@@ -152,16 +152,17 @@ class BackendReader(FileSystemReader):
                    landing: DeviceLanding) -> None:
         """One item: verified, decoded within its recorded bounds, into its destination."""
         info: StorageInfo = self.storage_data[req.storage_index]
-        where = self.describe_item(req.storage_index)
         expected = self._checksums.get(req.storage_index) if self.records is not None else None
         if req.type != LoadItemType.BYTE_IO and not info.transform_descriptors:
             target = planner.resolve_tensor(req).detach()
             hasher = xxhash.xxh3_64() if expected is not None else None
             if torchsave.read_into(stream, info.offset, info.length, target, hasher, landing):
-                if hasher is not None:
-                    _check_item(where, expected, hasher.intdigest())
+                if hasher is not None and hasher.intdigest() != expected:
+                    _check_item(self.describe_item(req.storage_index), expected,
+                                hasher.intdigest())
                 planner.commit_tensor(req, target)
                 return
+        where = self.describe_item(req.storage_index)
         # Everything else is read whole first (bounded by its recorded length) and checked
         # before a byte of it is decoded.
         stream.seek(info.offset)
