@@ -157,13 +157,8 @@ class CrcRecords(io.RawIOBase):
             if self._name == _ID_RECORD:
                 piece = self._serialization_id(piece)
             self._size = size
-            if self._sliced and size > SLICE:
-                for start in range(0, size, SLICE):
-                    part = piece[start:start + SLICE]
-                    self._crc = crc32(part, self._crc)
-                    self._out.write(part)
-                return size
-            self._crc = crc32(piece)
+            self._crc = _crc_and_write(piece, self._out, self._sliced)
+            return size
         elif state == "descriptor":
             return self._descriptor(piece)
         else:
@@ -291,21 +286,13 @@ class _Template:
             self.folds.append(crc32(data))
 
     def write(self, tensor: torch.Tensor, out: Any, sliced: bool) -> None:
-        payload = _storage_bytes(tensor, self.payload)
-        crc = 0
         out.write(self.prefix)
-        if sliced and self.payload > SLICE:
-            for start in range(0, self.payload, SLICE):
-                part = payload[start:start + SLICE]
-                crc = crc32(part, crc)
-                out.write(part)
-        elif self.payload:
-            crc = crc32(payload)
-            out.write(payload)
-        if not self.payload:
-            out.write(self.suffix)  # an empty storage: its record is the same for all
+        if not self.payload:  # an empty storage: its record is the same for all
+            out.write(self.suffix)
             out.flush()
             return
+        payload = _storage_bytes(tensor, self.payload)
+        crc = _crc_and_write(payload, out, sliced)
         combined = 0
         for value in self.folds:
             if value is not None:
@@ -331,7 +318,21 @@ class _Template:
 def _storage_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
     """The bytes of the storage `tensor` covers exactly (what torch.save writes)."""
     flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), 0, (nbytes,))
-    return memoryview(flat.numpy()).cast("B") if nbytes else memoryview(b"")
+    return memoryview(flat.numpy()).cast("B")
+
+
+def _crc_and_write(data: memoryview, out: Any, sliced: bool) -> int:
+    """Write `data` to `out` and return its CRC-32: with `sliced`, in SLICE pieces, each
+    CRC'd just before its write (still in cache); else in one write."""
+    if not sliced or len(data) <= SLICE:
+        out.write(data)
+        return crc32(data)
+    crc = 0
+    for start in range(0, len(data), SLICE):
+        part = data[start:start + SLICE]
+        crc = crc32(part, crc)
+        out.write(part)
+    return crc
 
 
 def _entries(record: bytes) -> list[tuple[str, int, int, int]]:
@@ -427,10 +428,8 @@ def templates_checked() -> bool:
     starting like a data descriptor too), which a torch whose records hold anything else
     that depends on the data would fail. Then records are written by CrcRecords alone."""
     global _templates_usable
-    if _templates_usable is None:
-        usable = writer_checked() and _probe_templates()
-        with _check_lock:
-            _templates_usable = usable
+    if _templates_usable is None:  # two threads may both probe: the same answer
+        _templates_usable = writer_checked() and _probe_templates()
     return _templates_usable
 
 
