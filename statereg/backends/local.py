@@ -611,9 +611,12 @@ class LocalBackend(StorageBackend):
         self._refuse_links("create", path)
         with self._storage_op("create", path):
             _makedirs_durable(os.path.dirname(full))
+            fd = self._open_for_write(path, full)
+            mapped = self._mapped_writer(path, fd, on_done)
+            if mapped is not None:
+                return mapped
             sink = _WritebackFile(
-                open(self._open_for_write(path, full), "wb",  # noqa: SIM115 - closed by the writer
-                     buffering=_BUFFER),
+                open(fd, "wb", buffering=_BUFFER),  # noqa: SIM115 - closed by the writer
                 self._keeps, functools.partial(self._storage_op, "write", path))
 
         def durable(stream: IO[bytes]) -> None:
@@ -641,6 +644,12 @@ class LocalBackend(StorageBackend):
         """A descriptor to write `path` (at `full`) from its start: a new or emptied file.
         O_NOFOLLOW: a link left at this name is never written through."""
         return os.open(full, _WRITE, 0o644)
+
+    def _mapped_writer(self, path: str, fd: int,
+                       on_done: Callable[[WrittenFile], None] | None) -> HashingWriter | None:
+        """A writer that copies into a mapping of the file open at `fd` (shm.py, for files
+        written over), or None to write through the descriptor."""
+        return None
 
     def write_bytes(self, path: str, data: bytes) -> WrittenFile:
         """Write to a temporary name, fsync, then rename: readers see all of it or none."""

@@ -28,10 +28,13 @@ import re
 import shutil
 import socket
 import stat
+from collections.abc import Callable
 from typing import Any
 
 from statereg import env
+from statereg.backends.checksum import HashingWriter, WrittenFile
 from statereg.backends.local import LocalBackend
+from statereg.backends.mappings import MappedFile, Mappings
 from statereg.errors import SpecError, StorageError
 
 logger = logging.getLogger("statereg")
@@ -44,8 +47,9 @@ _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 # pages written over by the next save (`SharedMemoryBackend.recycle`). Not a step name: no
 # listing of checkpoints sees it.
 RECYCLED = ".recycled"
-# Open an existing file for writing from its start without freeing its pages (no O_TRUNC).
-_OVERWRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Open an existing file for writing from its start without freeing its pages (no O_TRUNC);
+# readable too, to be mapped (mappings.py).
+_OVERWRITE = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 # A new or emptied file, readable by this user only (LocalBackend's, with mode 0600).
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -231,6 +235,8 @@ class SharedMemoryBackend(LocalBackend):
                  recycle: bool = False) -> None:
         super().__init__(url, options)
         self.recycle = recycle
+        # The mappings this process writes recycled files through (mappings.py).
+        self._mappings = Mappings()
         # Whether every folder down to the root exists and is this user's (`check_private`):
         # checked now (a folder of another user is refused at once), and before each
         # operation until the whole chain exists.
@@ -357,6 +363,25 @@ class SharedMemoryBackend(LocalBackend):
         """Free the pages of the retired checkpoint waiting in `.recycled/`, if any."""
         self._checked()
         shutil.rmtree(self.full_path(RECYCLED), ignore_errors=True)
+        self._mappings.drop_deleted()
+
+    def release_mappings(self) -> None:
+        """Drop the mappings this process kept to write recycled files (mappings.py): the
+        tier is closing, and a mapping would keep a deleted file's pages."""
+        self._mappings.release()
+
+    def _mapped_writer(self, path: str, fd: int,
+                       on_done: Callable[[WrittenFile], None] | None) -> HashingWriter | None:
+        """With `recycle`, a file written over (not a new, empty one) is written through a
+        mapping kept from one save to the next (mappings.py)."""
+        if not self.recycle:
+            return None
+        mapping = self._mappings.take(fd)
+        if mapping is None:
+            return None
+        sink = MappedFile(fd, mapping, self._mappings,
+                          lambda: self._storage_op("write", path))
+        return HashingWriter(path, sink, sink.finish, on_done)  # type: ignore[arg-type]
 
     def open_contained(self, path: str) -> int:
         """A read-only descriptor of the regular file at `path` below the root, opened

@@ -319,6 +319,7 @@ class TierEngine:
             if self._replicas is not None:
                 self._replicas.join()
             self._retention.join()
+            self.memory.release_mappings()  # each rank's own: they would hold deleted pages
             if self.leads:
                 self.memory.drop_recycled()  # nothing saves here any more: free its pages
                 self.lock.release()

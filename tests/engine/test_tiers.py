@@ -201,8 +201,67 @@ def test_shm_recycling_writes_over_a_retired_file_and_cuts_it_to_its_new_size() 
     assert backend.list_dir("") == []
 
 
+MIB = 1 << 20
+
+
+def pattern(size: int, seed: int) -> bytes:
+    return torch.randint(0, 256, (size,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+
+
+def test_shm_writes_over_a_recycled_file_through_a_mapping_kept_while_its_size_holds() -> None:
+    backend = open_backend("shm://run7/mapped")
+    assert isinstance(backend, SharedMemoryBackend)
+    backend.recycle = True
+    kept = backend._mappings._by_inode
+    name = "model/__0_0.distcp"
+
+    def save(step: int, data: bytes, pieces: int = 3) -> int:
+        path = f"step_{step:08d}/{name}"
+        with backend.open_write(path) as stream:
+            cut = len(data) // pieces
+            for at in range(0, len(data), cut):  # pieces of any size, small ones too
+                stream.write(data[at:at + cut])
+            stream.write(b"")
+        assert backend.read_bytes(path) == data
+        assert backend.size(path) == len(data)
+        backend.remove_tree(f"step_{step:08d}")  # retired: the next save writes over it
+        return os.stat(backend.full_path(f".recycled/step_{step:08d}/{name}")).st_ino
+
+    inode = save(1, pattern(2 * MIB, 1))
+    assert not kept  # a new file: written through its descriptor
+    assert save(2, pattern(2 * MIB, 2)) == inode
+    [mapping] = kept.values()
+    assert save(3, pattern(2 * MIB, 3)) == inode
+    assert list(kept.values()) == [mapping]  # the same mapping, its page tables kept
+    assert save(4, pattern(MIB + 5, 4), pieces=7) == inode  # shorter: cut, mapping dropped
+    assert not kept
+    assert save(5, pattern(3 * MIB + 1, 5)) == inode  # longer: the rest by pwrite
+    assert not kept  # grew: mapped again at its new size next time
+    assert save(6, pattern(3 * MIB + 1, 6)) == inode and len(kept) == 1
+    backend.drop_recycled()  # the file is deleted: its mapping must not keep its pages
+    assert not kept
+
+
+def test_a_failed_write_through_a_mapping_drops_it_and_reports_nothing() -> None:
+    backend = open_backend("shm://run7/mapped")
+    assert isinstance(backend, SharedMemoryBackend)
+    backend.recycle = True
+    path = "step_00000001/model/__0_0.distcp"
+    backend.write_bytes(path, pattern(2 * MIB, 1))
+    backend.remove_tree("step_00000001")
+    reported = []
+    stream = backend.open_write("step_00000002/model/__0_0.distcp", reported.append)
+    assert len(backend._mappings) == 1
+    stream.write(pattern(MIB, 2))
+    stream.abort()  # what BackendFileSystem does when the writer raised
+    assert reported == [] and len(backend._mappings) == 0
+    backend.release_mappings()
+
+
 def test_memory_saves_reuse_retired_checkpoints_files_and_stay_verified(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("statereg.backends.mappings.MAP_AT_LEAST", 1)  # map these small files
     trainee = Trainee()
     mgr = trainee.manager(tiered(str(tmp_path / "durable"), memory={"every": 1},
                                  durable={"every": 1000}))
@@ -217,11 +276,14 @@ def test_memory_saves_reuse_retired_checkpoints_files_and_stay_verified(
                         if f.path.endswith(".distcp")}
     assert inodes[4] == inodes[1] and inodes[5] == inodes[2]  # step 1's pages hold step 4
     assert steps_in(memory.url) == [4, 5]
+    # Written through mappings kept by inode: at most keep_last + 1 checkpoints' files.
+    assert 0 < len(memory._mappings) <= 3 * len(inodes[5])
     for committed in list_committed(memory):
         verify_files(memory, committed.name, committed.manifest.files, "full")
     expected = trainee.tensors()
     mgr.close()
     assert ".recycled" not in memory.list_dir("")  # close frees the retired pages
+    assert len(memory._mappings) == 0  # and the mappings that would hold them
     restored = Trainee()
     with restored.manager(tiered(str(tmp_path / "durable"), memory={"every": 1})) as again:
         assert again.load().step == 5
