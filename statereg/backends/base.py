@@ -319,6 +319,10 @@ class StorageBackend:
     # crosses a network or a disk; false for host memory, which each rank reads faster than
     # gloo moves it.
     broadcast_reads: ClassVar[bool] = True
+    # Whether tensor records carry their zip CRC-32s, as torch.save writes them by default:
+    # false for host memory, where computing them is a pass over every byte that nothing
+    # checks (statereg's own digests do; dcp/records.py).
+    record_crcs: ClassVar[bool] = True
     # What to check when the store says "permission denied" (EACCES, EPERM).
     denied_hint: ClassVar[str] = _CHECK_ACCESS
 

@@ -226,6 +226,10 @@ class SharedMemoryBackend(LocalBackend):
     # Every rank of a node reads the tmpfs at memory speed: a broadcast over gloo's TCP
     # would be the slow path (bench_replica.py: a restore took 1.5x longer with it).
     broadcast_reads = False
+    # Records without zip CRC-32s (torch.save's `set_crc32_options(False)` form): in memory
+    # every item is checked by its xxh3 digest, and the CRC pass cost 0.2-0.3x a memory copy
+    # of the save (docs/performance.md, "Memory saves into kept mappings, without CRC-32s").
+    record_crcs = False
     # Whether a retired checkpoint's pages are written over by the next save instead of
     # being freed and allocated again (`remove_tree`); the memory tier opens its folder with
     # `recycle=True`.

@@ -24,6 +24,12 @@ for an empty storage), then a data descriptor with the CRC and sizes; after the 
 the central directory and the end records (past 4 GiB, zip64: the extra field in two pieces,
 24-byte descriptors). This module follows those pieces and refuses
 (`_Unexpected`) anything else, before any byte of the unexpected piece is passed on.
+
+With `crcs=False` (a memory root: `StorageBackend.record_crcs`) every CRC-32 stays zero, as
+`torch.save` writes under `torch.serialization.set_crc32_options(False)`: torch.load and DCP
+read such records (neither checks a record's CRC-32: a flipped payload byte loads silently),
+and statereg checks every item's bytes with its own xxh3 digest, so in memory the CRC pass
+buys nothing (docs/performance.md, "Memory saves into kept mappings, without CRC-32s").
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ import io
 import pickle
 import struct
 import threading
+import zipfile
 from typing import Any
 
 import torch
 
 from statereg.dcp import torch_private
+from statereg.dcp.torchsave import RecordWindow
 from statereg.errors import StateregError
 
 try:
@@ -63,11 +71,17 @@ _TEMPLATES_KEPT = 4096
 _U64 = (1 << 64) - 1
 
 
+class RecordError(ValueError):
+    """A record `add_crcs` reads is not laid out as torch.save lays one out (what was
+    expected is the message)."""
+
+
 class _Unexpected(StateregError):
     """torch's zip writer wrote a piece this module does not expect (a torch whose writer
     changed after `writer_checked()` passed: not seen; the save fails, nothing is committed)."""
 
     def __init__(self, expected: str) -> None:
+        self.expected = expected
         super().__init__(
             f"torch {torch.__version__}'s zip writer did not write {expected} where statereg "
             "expected it; the save was not committed. Report this with your torch version")
@@ -85,14 +99,16 @@ class CrcRecords(io.RawIOBase):
 
     `payload` is the tensor storage's size in bytes, so its record is told from the others
     by name and size, never by guessing; `sliced` hands the payload on in `SLICE` pieces
-    (False for an encoder that wants it in one write).
+    (False for an encoder that wants it in one write); with `crcs` False the pieces pass
+    unchanged (every CRC-32 zero, as torch wrote them), still checked for their shape.
     """
 
-    def __init__(self, out: Any, payload: int, sliced: bool = True) -> None:
+    def __init__(self, out: Any, payload: int, sliced: bool = True, crcs: bool = True) -> None:
         super().__init__()
         self._out = out
         self._payload = payload
         self._sliced = sliced
+        self._crcs_on = crcs
         self._state = "header"
         self._name_length = self._extra_length = 0
         self._name = ""
@@ -157,7 +173,7 @@ class CrcRecords(io.RawIOBase):
             if self._name == _ID_RECORD:
                 piece = self._serialization_id(piece)
             self._size = size
-            self._crc = _crc_and_write(piece, self._out, self._sliced)
+            self._crc = _write_payload(piece, self._out, self._sliced, self._crcs_on)
             return size
         elif state == "descriptor":
             return self._descriptor(piece)
@@ -196,6 +212,8 @@ class CrcRecords(io.RawIOBase):
         text = bytes(piece)
         if len(text) != 40 or not text.isdigit():
             raise _Unexpected("a 40-digit serialization id")
+        if not self._crcs_on:
+            return piece
         return memoryview(text[:20] + b"%020d" % self._combined)
 
     def finish(self) -> None:
@@ -216,12 +234,14 @@ class CrcRecords(io.RawIOBase):
         self._out.write(trailer)
 
 
-def save_record(tensor: torch.Tensor, out: Any, sliced: bool = True) -> None:
-    """Write `torch.save(tensor)`'s bytes to `out`, its CRC-32s computed here (see above).
+def save_record(tensor: torch.Tensor, out: Any, sliced: bool = True,
+                crcs: bool = True) -> None:
+    """Write `torch.save(tensor)`'s bytes to `out`, its CRC-32s computed here (see above), or
+    left zero with `crcs` False.
 
     `tensor` is a CPU tensor whose storage it covers exactly (the writer clones any other).
     Anything but a plain strided tensor (a subclass, a sparse or quantized one, whose records
-    this module has not been checked against) goes to torch.save itself.
+    this module has not been checked against) goes to torch.save itself, with CRC-32s.
     """
     plain = (type(tensor) is torch.Tensor and tensor.layout == torch.strided
              and not tensor.is_quantized)
@@ -232,11 +252,11 @@ def save_record(tensor: torch.Tensor, out: Any, sliced: bool = True) -> None:
     if (nbytes <= _TEMPLATED_UP_TO and not tensor.is_conj() and not tensor.is_neg()
             and not tensor.__dict__  # what else torch pickles with a tensor
             and templates_checked()):
-        template = _template(tensor, nbytes)
+        template = _template(tensor, nbytes, crcs)
         if template is not None:
             template.write(tensor, out, sliced)
             return
-    _save_crc_records(tensor, out, sliced)
+    _save_crc_records(tensor, out, sliced, crcs)
 
 
 class _Template:
@@ -247,7 +267,9 @@ class _Template:
     data descriptor and its central directory entry), and the serialization id, whose second
     half folds that CRC-32 in, with the id record's own CRC-32: `write` sends the bytes before
     the payload as they are, the payload in slices (its CRC-32 computed on the way, as
-    CrcRecords does), then the bytes after it with those five fields filled in. torch's
+    CrcRecords does), then the bytes after it with those five fields filled in. A template
+    made without CRC-32s (`crcs` False) keeps them all zero, its id folding zeros as torch's
+    writer then does. torch's
     pickler and ~40 pieces through Python per record are spared: ~20 us a record instead of
     150-300 us. A record of another shape (zip64, the id before the payload, a second
     storage) raises _Unexpected and its layout keeps the plain path. The first record of a
@@ -255,7 +277,7 @@ class _Template:
     pays once per process.
     """
 
-    def __init__(self, record: bytes, payload: int) -> None:
+    def __init__(self, record: bytes, payload: int, crcs: bool = True) -> None:
         entries = _entries(record)
         names = [name for name, *_ in entries]
         storages = [e for e in entries if e[0].startswith(_STORAGE_PREFIX)]
@@ -271,8 +293,10 @@ class _Template:
         self.fields = (4, central + 16 - end, id_start + 20 - end, id_start + 44 - end,
                        id_central + 16 - end)
         self.id_names = record[id_start:id_start + 20]
-        # What torch folds into the id, in order: each record's CRC-32 and the bytes 4-8 of
-        # a record that starts like a data descriptor; None: the payload's own (see write).
+        self.crcs = crcs
+        # What torch folds into the id, in order: each record's CRC-32 (zero without them)
+        # and the bytes 4-8 of a record that starts like a data descriptor; None: the
+        # payload's own (see write).
         self.folds: list[int | None] = []
         for name, data_start, size, _ in entries[:names.index(_ID_RECORD)]:
             if not size:
@@ -283,7 +307,7 @@ class _Template:
             data = record[data_start:data_start + size]
             if size >= 8 and data[:4] == _DESCRIPTOR:
                 self.folds.append(struct.unpack_from("<I", data, 4)[0])
-            self.folds.append(crc32(data))
+            self.folds.append(crc32(data) if crcs else 0)
 
     def write(self, tensor: torch.Tensor, out: Any, sliced: bool) -> None:
         out.write(self.prefix)
@@ -292,7 +316,7 @@ class _Template:
             out.flush()
             return
         payload = _storage_bytes(tensor, self.payload)
-        crc = _crc_and_write(payload, out, sliced)
+        crc = _write_payload(payload, out, sliced, self.crcs)
         combined = 0
         for value in self.folds:
             if value is not None:
@@ -308,7 +332,7 @@ class _Template:
         struct.pack_into("<I", suffix, at_descriptor, crc)
         struct.pack_into("<I", suffix, at_central, crc)
         suffix[at_id:at_id + 20] = identity[20:]
-        id_crc = crc32(identity)
+        id_crc = crc32(identity) if self.crcs else 0
         struct.pack_into("<I", suffix, at_id_descriptor, id_crc)
         struct.pack_into("<I", suffix, at_id_central, id_crc)
         out.write(suffix)
@@ -321,16 +345,17 @@ def _storage_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def _crc_and_write(data: memoryview, out: Any, sliced: bool) -> int:
-    """Write `data` to `out` and return its CRC-32: with `sliced`, in SLICE pieces, each
-    CRC'd just before its write (still in cache); else in one write."""
+def _write_payload(data: memoryview, out: Any, sliced: bool, crcs: bool) -> int:
+    """Write `data` to `out` and return its CRC-32 (0 without `crcs`): with `sliced`, in
+    SLICE pieces, each CRC'd just before its write (still in cache); else in one write."""
     if not sliced or len(data) <= SLICE:
         out.write(data)
-        return crc32(data)
+        return crc32(data) if crcs else 0
     crc = 0
     for start in range(0, len(data), SLICE):
         part = data[start:start + SLICE]
-        crc = crc32(part, crc)
+        if crcs:
+            crc = crc32(part, crc)
         out.write(part)
     return crc
 
@@ -360,32 +385,32 @@ _templates: dict[tuple[Any, ...], _Template | None] = {}
 _NOT_MADE = object()
 
 
-def _template(tensor: torch.Tensor, nbytes: int) -> _Template | None:
-    """The template of `tensor`'s layout, made from its first record; None for a layout
-    whose record is not as _Template expects."""
+def _template(tensor: torch.Tensor, nbytes: int, crcs: bool) -> _Template | None:
+    """The template of `tensor`'s layout (with or without CRC-32s), made from its first
+    record; None for a layout whose record is not as _Template expects."""
     key = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
-           nbytes, tensor.requires_grad, torch_private.storage_alignment())
+           nbytes, tensor.requires_grad, torch_private.storage_alignment(), crcs)
     found = _templates.get(key, _NOT_MADE)
     if found is not _NOT_MADE:
         return found
-    made = _make_template(tensor, nbytes)
+    made = _make_template(tensor, nbytes, crcs)
     if len(_templates) >= _TEMPLATES_KEPT:  # layouts that come and go (one-off shapes)
         _templates.clear()
     _templates[key] = made
     return made
 
 
-def _make_template(tensor: torch.Tensor, nbytes: int) -> _Template | None:
+def _make_template(tensor: torch.Tensor, nbytes: int, crcs: bool = True) -> _Template | None:
     record = io.BytesIO()
-    _save_crc_records(tensor, record, sliced=False)
+    _save_crc_records(tensor, record, sliced=False, crcs=crcs)
     try:
-        return _Template(record.getvalue(), nbytes)
+        return _Template(record.getvalue(), nbytes, crcs)
     except (_Unexpected, struct.error):
         return None
 
 
-def _save_crc_records(tensor: torch.Tensor, out: Any, sliced: bool) -> None:
-    records = CrcRecords(out, tensor.untyped_storage().nbytes(), sliced)
+def _save_crc_records(tensor: torch.Tensor, out: Any, sliced: bool, crcs: bool = True) -> None:
+    records = CrcRecords(out, tensor.untyped_storage().nbytes(), sliced, crcs)
     writer = torch_private.zip_writer_without_crc(records)
     try:
         torch_private.save_into_zip(tensor, writer, pickle)
@@ -426,7 +451,8 @@ def templates_checked() -> bool:
     """Whether a template made from one tensor writes torch.save's bytes for another of its
     layout: checked once per process on probes whose second tensor has other bytes (one
     starting like a data descriptor too), which a torch whose records hold anything else
-    that depends on the data would fail. Then records are written by CrcRecords alone."""
+    that depends on the data would fail (and, written without CRC-32s, one gives what torch's
+    writer gives with its CRC-32 off). Then records are written by CrcRecords alone."""
     global _templates_usable
     if _templates_usable is None:  # two threads may both probe: the same answer
         _templates_usable = writer_checked() and _probe_templates()
@@ -449,9 +475,25 @@ def _probe_templates() -> bool:
             template.write(other, ours, sliced=True)
             if ours.getvalue() != expected.getvalue():
                 return False
+            # Without CRC-32s: what torch's writer itself writes with its CRC-32 off.
+            template = _make_template(first, first.untyped_storage().nbytes(), crcs=False)
+            if template is None:
+                return False
+            expected, ours = io.BytesIO(), io.BytesIO()
+            _save_without_crcs(other, expected)
+            template.write(other, ours, sliced=True)
+            if ours.getvalue() != expected.getvalue():
+                return False
     except (_Unexpected, RuntimeError, TypeError, AttributeError, struct.error):
         return False
     return True
+
+
+def _save_without_crcs(tensor: torch.Tensor, out: Any) -> None:
+    """torch.save's bytes with its CRC-32 option off, from torch's writer alone."""
+    writer = torch_private.zip_writer_without_crc(out)
+    torch_private.save_into_zip(tensor, writer, pickle)
+    writer.write_end_of_file()
 
 
 def _probe() -> bool:
@@ -469,3 +511,125 @@ def _probe() -> bool:
     except (_Unexpected, RuntimeError, TypeError, AttributeError, struct.error):
         return False
     return True
+
+
+# -- adding CRC-32s to a record written without them ------------------------------------------
+
+_DESCRIPTOR_SIZES = (struct.Struct("<4sIII"), struct.Struct("<4sIQQ"))
+
+
+class _Member:
+    """One member of a record: where its data and its data descriptor lie."""
+
+    def __init__(self, name: str, header: int, data: int, size: int) -> None:
+        self.name, self.header, self.data, self.size = name, header, data, size
+
+
+def _plan(stream: Any, offset: int, length: int) -> tuple[list[_Member], int, list[str]]:
+    """The members of the torch.save record at [offset, offset+length) of `stream` (in the
+    order stored), where its central directory starts, and the names of its entries in
+    order: read from the record's end and its local headers, before its bytes are read in
+    order (`add_crcs` checks what it finds there against this)."""
+    window = RecordWindow(stream, offset, length)
+    try:
+        archive = zipfile.ZipFile(window)
+        infos = archive.infolist()
+        start = archive.start_dir
+    except (zipfile.BadZipFile, ValueError, struct.error, EOFError) as exc:
+        raise _Unexpected(f"a zip record ({exc})") from None
+    members = []
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise _Unexpected(f"{info.filename} stored uncompressed")
+        window.seek(info.header_offset)
+        header = window.read(_LOCAL_HEADER.size)
+        if len(header) != _LOCAL_HEADER.size or header[:4] != _LOCAL:
+            raise _Unexpected(f"the local header of {info.filename}")
+        fields = _LOCAL_HEADER.unpack(header)
+        data = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+        members.append(_Member(info.orig_filename, info.header_offset, data, info.file_size))
+    members.sort(key=lambda m: m.header)
+    return members, start, [info.orig_filename for info in infos]
+
+
+def add_crcs(stream: Any, offset: int, length: int, out: Any, hasher: Any) -> None:
+    """Write the torch.save record at [offset, offset+length) of `stream` (seekable) to `out`
+    with every CRC-32 computed (and the serialization id that folds them in): the bytes
+    `torch.save` writes for the same tensor, whether the record had CRC-32s or was written
+    without them (`crcs=False`, in memory). A drain to a store that keeps CRC-32s passes the
+    memory tier's records through this. The record's bytes are read once, in order, and
+    each passes through `hasher` (the caller checks them against the item's digest); the
+    payload goes on in SLICE pieces. RecordError for anything but torch's zip layout,
+    before a byte is written when the record's end or headers say so."""
+    try:
+        _add_crcs(stream, offset, length, out, hasher)
+    except (_Unexpected, struct.error) as exc:
+        raise RecordError(getattr(exc, "expected", None) or str(exc)) from None
+
+
+def _add_crcs(stream: Any, offset: int, length: int, out: Any, hasher: Any) -> None:
+    members, directory, names = _plan(stream, offset, length)
+    stream.seek(offset)
+    position = 0
+
+    def take(size: int) -> bytes:
+        nonlocal position
+        data = stream.read(size)
+        if data is None or len(data) != size:
+            raise _Unexpected(f"{size} bytes at {position} of the record")
+        hasher.update(data)
+        position += size
+        return data
+
+    crcs: dict[str, int] = {}
+    combined = 0
+    for member in members:
+        if member.header != position or member.data > length or member.size > length:
+            raise _Unexpected(f"{member.name} where its header says")
+        out.write(take(member.data - position))
+        if member.name == _ID_RECORD:
+            digits = take(member.size)
+            if len(digits) != 40 or not digits.isdigit():
+                raise _Unexpected("a 40-digit serialization id")
+            digits = digits[:20] + b"%020d" % combined
+            crc = crc32(digits)
+            out.write(digits)
+        else:
+            crc, first = 0, b""
+            for _ in range(0, member.size, SLICE):
+                piece = take(min(SLICE, member.size - (position - member.data)))
+                first = first or piece[:8]
+                crc = crc32(piece, crc)
+                out.write(piece)
+            if len(first) >= 8 and first[:4] == _DESCRIPTOR:  # folded by torch: see CrcRecords
+                combined = _hash_combine(combined, struct.unpack_from("<I", first, 4)[0])
+        crcs[member.name] = crc
+        if not member.size and member.name != _ID_RECORD:
+            continue  # an empty member: no descriptor (its CRC-32 is zero)
+        descriptor = _read_descriptor(take, member)
+        struct.pack_into("<I", descriptor, 4, crc)
+        combined = _hash_combine(combined, crc)
+        out.write(descriptor)
+    if directory != position:
+        raise _Unexpected("the central directory after the last member")
+    trailer = bytearray(take(length - position))
+    at = 0
+    for name in names:
+        if bytes(trailer[at:at + 4]) != _CENTRAL:
+            raise _Unexpected(f"the central directory entry of {name}")
+        fields = _CENTRAL_HEADER.unpack_from(trailer, at)
+        struct.pack_into("<I", trailer, at + 16, crcs[name])
+        at += _CENTRAL_HEADER.size + fields[12] + fields[13] + fields[14]
+    out.write(trailer)
+
+
+def _read_descriptor(take: Any, member: _Member) -> bytearray:
+    """The data descriptor after `member`'s data: 16 bytes, or 24 past zip64's limits."""
+    head = take(16)
+    short, long = _DESCRIPTOR_SIZES
+    if head[:4] == _DESCRIPTOR and short.unpack(head)[2:] == (member.size, member.size):
+        return bytearray(head)
+    whole = head + take(8)
+    if whole[:4] == _DESCRIPTOR and long.unpack(whole)[2:] == (member.size, member.size):
+        return bytearray(whole)
+    raise _Unexpected(f"the data descriptor of {member.name}")

@@ -103,7 +103,7 @@ class _TensorRecordUnpickler(pickle.Unpickler):
         return pid[1], str(pid[2]), int(pid[4])
 
 
-class _Window(io.RawIOBase):
+class RecordWindow(io.RawIOBase):
     """`length` bytes of `base` from `offset`, seekable from either end (zipfile needs both)."""
 
     def __init__(self, base: IO[bytes], offset: int, length: int) -> None:
@@ -133,7 +133,7 @@ class _Window(io.RawIOBase):
         return got
 
 
-def _read_exact(stream: _Window, start: int, size: int) -> bytes:
+def _read_exact(stream: RecordWindow, start: int, size: int) -> bytes:
     stream.seek(start)
     data = stream.read(size)
     if data is None or len(data) != size:
@@ -225,7 +225,7 @@ def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
              shape: tuple[int, ...]) -> tuple[int, bool] | None:
     """Offset in `stream` of the raw bytes of the record at [offset, offset+length), if plain,
     and whether a data descriptor after them must confirm their size."""
-    window = _Window(stream, offset, length)
+    window = RecordWindow(stream, offset, length)
     try:
         head = _read_exact(window, 0, min(length, _HEAD_BYTES))
         start, nbytes = _walked(head, dtype, shape)
@@ -254,7 +254,7 @@ def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
         return None
 
 
-def _member_start(window: _Window, info: zipfile.ZipInfo) -> int:
+def _member_start(window: RecordWindow, info: zipfile.ZipInfo) -> int:
     header = _LOCAL_HEADER.unpack(_read_exact(window, info.header_offset, _LOCAL_HEADER.size))
     if header[0] != zipfile.stringFileHeader:
         raise _NotPlain("local header")
@@ -264,7 +264,7 @@ def _member_start(window: _Window, info: zipfile.ZipInfo) -> int:
     return start
 
 
-def _member(window: _Window, info: zipfile.ZipInfo) -> bytes:
+def _member(window: RecordWindow, info: zipfile.ZipInfo) -> bytes:
     if info.file_size > 1 << 20:
         raise _NotPlain("member too large")
     return _read_exact(window, _member_start(window, info), info.file_size)
@@ -391,10 +391,13 @@ class _StorageScan(pickle.Unpickler):
         self.nbytes += pid[4] * pid[1].itemsize
 
 
-def check_bounded(record: IO[bytes], length: int) -> None:
+def check_bounded(record: RecordWindow, length: int) -> None:
     """Raise ValueError unless the torch.save record in `record` (`length` bytes) stores every
     member uncompressed within itself and declares no storage larger than itself: what
-    torch.load will allocate is then bounded by the record's size."""
+    torch.load will allocate is then bounded by the record's size.
+
+    data.pkl is read as stored, not through zipfile, which would refuse a record written
+    without CRC-32s (records.py, in memory), as torch.load does not."""
     archive = zipfile.ZipFile(record)
     pickled = None
     for info in archive.infolist():
@@ -404,7 +407,11 @@ def check_bounded(record: IO[bytes], length: int) -> None:
             pickled = info
     if pickled is None:
         raise ValueError("no data.pkl")
-    scan = _StorageScan(io.BytesIO(archive.read(pickled)))
+    try:
+        stored = _read_exact(record, _member_start(record, pickled), pickled.file_size)
+    except _NotPlain as exc:
+        raise ValueError(f"data.pkl lies outside the record ({exc})") from None
+    scan = _StorageScan(io.BytesIO(stored))
     try:
         scan.load()
     except (_NotPlain, *RECORD_ERRORS) as exc:
@@ -420,8 +427,8 @@ def load(stream: IO[bytes], offset: int, length: int, where: str) -> Any:
     record makes zipfile, pickle or torch raise is a CorruptCheckpointError naming `where`.
     """
     try:
-        check_bounded(_Window(stream, offset, length), length)
-        return torch.load(_Window(stream, offset, length), map_location="cpu",
+        check_bounded(RecordWindow(stream, offset, length), length)
+        return torch.load(RecordWindow(stream, offset, length), map_location="cpu",
                           weights_only=True)
     except pickle.UnpicklingError as exc:
         raise CorruptCheckpointError(

@@ -3,9 +3,10 @@
 What changes from DCP's writer: the file system is built once with its options; no
 `checkpoint_id` and no fsync fallback (`sync_files=False`: our streams are durable before
 they report); the per-file loop is statereg's (each tensor one `torch.save` record, its
-CRC-32s computed by records.py, every item's stored bytes hashed as written, a failure in any
-writer thread raised); items an incremental save finds unchanged are referenced, not written;
-`.metadata` is written in place, with every item's digest (`ITEM_CHECKSUMS`).
+CRC-32s computed by records.py or, in memory, left out; every item's stored bytes hashed as
+written, a failure in any writer thread raised); items an incremental save finds unchanged
+are referenced, not written; `.metadata` is written in place, with every item's digest
+(`ITEM_CHECKSUMS`).
 `CompressingTransforms` encodes items one by one (codec.py).
 """
 
@@ -73,6 +74,10 @@ class BackendWriter(FileSystemWriter):
         super().__init__(path, sync_files=False, thread_count=thread_count, overwrite=False)
         self.fs = BackendFileSystem(backend, recorder)
         self.path = path
+        # zip CRC-32s in tensor records (records.py): left out only where the store does not
+        # want them and the records are stored as they are (a drain then adds them: a
+        # compressed item would have to be decoded for that, and its codec's CPU dwarfs them).
+        self.crcs = backend.record_crcs or compression is not None
         self.compressor = CompressingTransforms(compression) if compression is not None else None
         # Incremental saves: items whose digest matches `reuse` are referenced, not written.
         self.reuse = reuse
@@ -180,7 +185,7 @@ class BackendWriter(FileSystemWriter):
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # torch.save would write the whole storage
                     # An encoder wants the tensor's bytes in one write (codec.EncodingStream).
-                    save_record(tensor, target, sliced=target is stream)
+                    save_record(tensor, target, sliced=target is stream, crcs=self.crcs)
                 if target is not stream:
                     target.close()
                 length = file_stream.tell() - offset

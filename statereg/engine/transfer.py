@@ -2,19 +2,24 @@
 
 Every source file is checked against the manifest's size and checksum as it is copied, in
 bounded blocks (a damaged file stops the copy before the destination is committed); DCP
-items that are rewritten are checked by their digests as they are read. The destination
-manifest is written last, so an interrupted or refused copy leaves no committed checkpoint
-behind (`statereg gc` removes its leftovers).
+items that are rewritten are checked by their digests as they are read. Tensor records
+written without zip CRC-32s (a memory root's: `StorageBackend.record_crcs`) get them on the
+way to a store that keeps them, so a drained checkpoint holds what a save there writes. The
+destination manifest is written last, so an interrupted or refused copy leaves no committed
+checkpoint behind (`statereg gc` removes its leftovers).
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import posixpath
+from collections import defaultdict
 from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from statereg.backends.base import StorageBackend
@@ -27,8 +32,10 @@ from statereg.backends.checksum import (
 )
 from statereg.dcp import METADATA_NAME
 from statereg.dcp.codec import CompressionSettings
+from statereg.dcp.metadata import ITEM_CHECKSUMS, gc_paused, item_checksums, load_dcp_metadata
 from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
+from statereg.dcp.records import RecordError, add_crcs
 from statereg.dcp.writer import BackendWriter
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of
 from statereg.engine.claims import claim_checkpoint, claim_scope
@@ -37,6 +44,7 @@ from statereg.engine.publish import commit
 from statereg.engine.report import Progress
 from statereg.engine.save_steps import file_codec
 from statereg.engine.world import caught, raise_own
+from statereg.errors import CorruptCheckpointError
 from statereg.schemas.manifest import FileRecord, Manifest
 
 logger = logging.getLogger("statereg")
@@ -85,6 +93,83 @@ def _copy_checked(src: StorageBackend, src_dir: str, record: FileRecord, dst: St
     writer.close()
 
 
+def _copy_adding_crcs(src: StorageBackend, src_dir: str, records: dict[str, FileRecord],
+                      dst: StorageBackend, dst_dir: str, recorder: FileRecorder,
+                      progress: Progress) -> None:
+    """Copy one DCP directory whose tensor records have no CRC-32s, each record given its
+    CRC-32s on the way (`add_crcs`; same offsets and lengths) and checked against
+    its digest as it is read; other items are copied as they are, checked the same way.
+    `.metadata` is written again with the new records' digests."""
+    meta_path = f"{src_dir}/{METADATA_NAME}"
+    metadata = load_dcp_metadata(VerifiedReads(src, records).read_bytes(meta_path),
+                                 src.display(meta_path))
+    expected = item_checksums(metadata)
+    files: dict[str, list[Any]] = defaultdict(list)
+    for index, info in metadata.storage_data.items():
+        files[info.relative_path].append((info.offset, info.length, index))
+    digests: dict[Any, int] = {}
+    for relative, items in sorted(files.items()):
+        path = f"{src_dir}/{relative}"
+        where = src.display(path)
+        record = records.get(path)
+        if record is None or "/" in relative:
+            raise CorruptCheckpointError(
+                f"{src.display(meta_path)} refers to {where}, which the manifest does not list "
+                "in its directory; refusing to copy it: the checkpoint is damaged or altered")
+        writer = dst.open_write(f"{dst_dir}/{relative}", recorder.add)
+        try:
+            with src.open_read(path, record.size) as stream:
+                position = 0
+                for offset, length, index in sorted(items, key=lambda item: item[0]):
+                    if offset != position:
+                        raise CorruptCheckpointError(
+                            f"{where}: its items do not follow one another from its start "
+                            f"(one at byte {offset}, {position} expected)")
+                    out = _HashingOut(writer)
+                    read = xxhash.xxh3_64()
+                    tensor = metadata.state_dict_metadata.get(index.fqn)
+                    if isinstance(tensor, TensorStorageMetadata):
+                        try:
+                            add_crcs(stream, offset, length, out, read)
+                        except RecordError as exc:
+                            raise CorruptCheckpointError(f"{where}: item {index.fqn!r} is not "
+                                                         f"a torch.save record ({exc})") from None
+                    else:
+                        stream.seek(offset)
+                        data = stream.read(length)
+                        read.update(data)
+                        out.write(data)
+                    if read.intdigest() != expected.get(index):
+                        raise CorruptCheckpointError(
+                            f"{where}: item {index.fqn!r} does not match its digest; the "
+                            "checkpoint is damaged: copy an earlier one")
+                    digests[index] = out.hasher.intdigest()
+                    position += length
+                    progress.update(length)
+                if position != record.size:
+                    raise CorruptCheckpointError(
+                        f"{where}: its items end at byte {position}, the file at {record.size}")
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+    setattr(metadata, ITEM_CHECKSUMS, digests)
+    with dst.open_write(f"{dst_dir}/{METADATA_NAME}", recorder.add) as out, gc_paused():
+        pickle.dump(metadata, out)
+
+
+class _HashingOut:
+    """Passes bytes on to `stream`, hashing them (one item's new digest)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.hasher = xxhash.xxh3_64()
+
+    def write(self, data: Any) -> int:
+        self.hasher.update(data)
+        return self.stream.write(data)
+
+
 def _rewrite_dcp(src: StorageBackend, src_dir: str, records: dict[str, FileRecord],
                  dst: StorageBackend, dst_dir: str, compression: CompressionSettings | None,
                  recorder: FileRecorder) -> None:
@@ -121,6 +206,7 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
         claim = claim_checkpoint(dst, name, purpose="copy")
         records = source.manifest.files
         dcp_dirs: set[str] = set()
+        crc_dirs: set[str] = set()
         settings: dict[str, CompressionSettings | None] = {}
         if recompress != "keep" or source.manifest.references:
             # An incremental checkpoint's DCP metadata points at files of earlier
@@ -132,15 +218,25 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                         if posixpath.basename(r.path) == METADATA_NAME}
             settings = {d: (_source_settings(source.manifest, d) if recompress == "keep"
                             else recompress) for d in dcp_dirs}
+        elif not src.record_crcs and dst.record_crcs:
+            # Uncompressed tensor records without CRC-32s (compressed ones keep them).
+            crc_dirs = {posixpath.dirname(r.path) for r in records
+                        if posixpath.basename(r.path) == METADATA_NAME} - {
+                posixpath.dirname(r.path) for r in records
+                if r.path.endswith(".distcp") and r.codec != "none"}
         recorder = FileRecorder()
         codecs = {r.path: r.codec for r in records}
+        every_file = read_records(source.manifest, src_dir, source.manifest.components)
         with Progress(source.manifest.total_bytes, f"copy {name}") as progress:
             for record in records:
-                if posixpath.dirname(record.path) in dcp_dirs and _is_dcp_file(record.path):
+                if posixpath.dirname(record.path) in dcp_dirs | crc_dirs and _is_dcp_file(
+                        record.path):
                     continue
                 _copy_checked(src, src_dir, record, dst, name, recorder)
                 progress.update(record.size)
-            every_file = read_records(source.manifest, src_dir, source.manifest.components)
+            for directory in sorted(crc_dirs):
+                _copy_adding_crcs(src, f"{src_dir}/{directory}", every_file, dst,
+                                  f"{name}/{directory}", recorder, progress)
             for directory in sorted(dcp_dirs):
                 _rewrite_dcp(src, f"{src_dir}/{directory}", every_file, dst,
                              f"{name}/{directory}", settings[directory], recorder)

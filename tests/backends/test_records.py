@@ -25,9 +25,20 @@ def torch_save_bytes(tensor: torch.Tensor) -> bytes:
     return out.getvalue()
 
 
-def record_bytes(tensor: torch.Tensor, sliced: bool = True) -> bytes:
+def record_bytes(tensor: torch.Tensor, sliced: bool = True, crcs: bool = True) -> bytes:
     out = io.BytesIO()
-    records.save_record(tensor, out, sliced=sliced)
+    records.save_record(tensor, out, sliced=sliced, crcs=crcs)
+    return out.getvalue()
+
+
+def torch_save_bytes_without_crcs(tensor: torch.Tensor) -> bytes:
+    """What torch.save writes with its process-wide CRC-32 option off."""
+    out = io.BytesIO()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(tensor, out)
+    finally:
+        torch.serialization.set_crc32_options(True)
     return out.getvalue()
 
 
@@ -67,6 +78,80 @@ def test_records_equal_torch_save_byte_for_byte_and_pass_zip_checks(name, sliced
     assert back.dtype == tensor.dtype
     as_bytes = [t.reshape(-1).view(torch.uint8).tolist() for t in (back, tensor)]
     assert as_bytes[0] == as_bytes[1]
+
+
+@pytest.mark.parametrize("path", ["as chosen", "through CrcRecords"])
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_records_without_crcs_are_torch_saves_with_its_crc_option_off(name, path, monkeypatch):
+    # The memory tier's records (record_crcs False): what torch.save writes under
+    # set_crc32_options(False), for any data of a layout, and torch.load reads them.
+    if path != "as chosen":
+        monkeypatch.setattr(records, "_TEMPLATED_UP_TO", -1)
+    monkeypatch.setattr(records, "_templates", {})
+    first = TENSORS[name]()
+    tensors = [first] + [first.logical_not() if first.dtype == torch.bool
+                         else other_data(first, seed) for seed in range(3)]
+    for tensor in tensors:
+        ours = record_bytes(tensor, crcs=False)
+        assert ours == torch_save_bytes_without_crcs(tensor)
+        assert all(member.CRC == 0 for member in zipfile.ZipFile(io.BytesIO(ours)).infolist())
+        back = torch.load(io.BytesIO(ours), weights_only=True)
+        assert back.reshape(-1).view(torch.uint8).tolist() == \
+            tensor.reshape(-1).view(torch.uint8).tolist()
+    if path == "as chosen":  # written from a template of the CRC-less record
+        assert [key[-1] for key in records._templates] == [False]
+    assert record_bytes(tensors[1]) == torch_save_bytes(tensors[1])  # and with CRC-32s
+
+
+@pytest.mark.parametrize("written", ["without CRC-32s", "with CRC-32s"])
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_adding_crcs_to_a_record_gives_torch_saves_bytes(name, written):
+    # What a drain from memory does to each tensor record (engine/transfer.py): the record
+    # read in place (other bytes around it), every byte of it through the hasher, in order.
+    tensor = TENSORS[name]()
+    record = record_bytes(tensor, crcs=written == "with CRC-32s")
+    stream = io.BytesIO(b"before" + record + b"after")
+    out, read = io.BytesIO(), xxhash.xxh3_64()
+    records.add_crcs(stream, len(b"before"), len(record), out, read)
+    assert out.getvalue() == torch_save_bytes(tensor)
+    assert read.intdigest() == xxhash.xxh3_64(record).intdigest()
+
+
+@pytest.mark.parametrize("damage", ["end of central directory", "a data descriptor",
+                                    "the serialization id", "cut short"])
+def test_adding_crcs_to_a_record_not_laid_out_as_torch_saves_raises(damage):
+    record = bytearray(record_bytes(torch.randn(300), crcs=False))
+    if damage == "end of central directory":
+        record[-22:-18] = b"XXXX"
+    elif damage == "a data descriptor":
+        at = record.index(records._DESCRIPTOR)
+        record[at + 8:at + 12] = b"\xff\xff\xff\x7f"  # its sizes no longer the member's
+    elif damage == "the serialization id":
+        at = record.rindex(b"serialization_id", 0, record.index(records._CENTRAL))
+        start = record.index(records._DESCRIPTOR, at) - 40
+        record[start:start + 1] = b"x"
+    else:
+        record = record[:len(record) // 2] + record[-100:]
+    with pytest.raises(records.RecordError):
+        records.add_crcs(io.BytesIO(bytes(record)), 0, len(record), io.BytesIO(),
+                         xxhash.xxh3_64())
+
+
+def test_the_template_probe_covers_records_without_crcs(monkeypatch):
+    # A template whose CRC-less record differed from torch's writer's keeps templates off.
+    real_write = records._Template.write
+
+    def crc_less_differs(self, tensor, out, sliced):
+        real_write(self, tensor, out, sliced)
+        if not self.crcs:
+            out.write(b"!")
+
+    monkeypatch.setattr(records, "_templates_usable", None)
+    monkeypatch.setattr(records, "_templates", {})
+    monkeypatch.setattr(records._Template, "write", crc_less_differs)
+    assert not records.templates_checked()
+    tensor = torch.randn(9, 9)
+    assert record_bytes(tensor, crcs=False) == torch_save_bytes_without_crcs(tensor)
 
 
 def test_this_torch_passes_the_probe():
@@ -131,12 +216,13 @@ def test_a_layouts_template_writes_torch_saves_bytes_for_any_data(name, sliced, 
 
 
 def test_only_a_layouts_first_record_runs_torchs_writer(monkeypatch):
+    assert records.templates_checked()  # the probe's own records are not counted
     made = []
     real = records._save_crc_records
 
-    def counted(tensor, out, sliced):
+    def counted(tensor, out, sliced, crcs=True):
         made.append(tuple(tensor.shape))
-        real(tensor, out, sliced)
+        real(tensor, out, sliced, crcs)
 
     monkeypatch.setattr(records, "_templates", {})
     monkeypatch.setattr(records, "_save_crc_records", counted)
@@ -169,7 +255,7 @@ def test_a_torch_whose_records_hold_more_data_dependent_bytes_gets_no_templates(
 def test_a_record_not_shaped_as_expected_keeps_its_layout_on_the_plain_path(monkeypatch):
     assert records.templates_checked()
 
-    def unexpected(self, record, payload):  # e.g. a torch that writes two storages
+    def unexpected(self, record, payload, crcs=True):  # e.g. a torch writing two storages
         raise records._Unexpected("one storage record and a serialization id")
 
     monkeypatch.setattr(records, "_templates", {})

@@ -203,3 +203,24 @@ def test_bounded_load_reads_every_storage_class_torch_save_names(dtype: torch.dt
     loaded = torchsave.load(buffer, 0, len(buffer.getvalue()), "record")
     assert loaded.dtype == dtype
     assert torch.equal(loaded.view(torch.uint8), tensor.view(torch.uint8))
+
+
+@pytest.mark.parametrize("reader", ["bounded load", "payload walk"])
+def test_records_without_crcs_are_read(reader: str) -> None:
+    """Memory checkpoints' records carry no CRC-32s (records.py): the size bound reads
+    data.pkl as stored, where zipfile would refuse its zero CRC-32, and the walk finds the
+    payload."""
+    from statereg.dcp import records
+
+    tensor = torch.randn(40, 3)
+    buffer = io.BytesIO()
+    records.save_record(tensor, buffer, crcs=False)
+    data = buffer.getvalue()
+    with pytest.raises(zipfile.BadZipFile, match="Bad CRC-32"):
+        zipfile.ZipFile(io.BytesIO(data)).read("archive/data.pkl")
+    if reader == "bounded load":
+        loaded = torchsave.load(buffer, 0, len(data), "record")
+    else:
+        loaded = torch.empty_like(tensor)
+        assert torchsave.read_into(buffer, 0, len(data), loaded)
+    assert torch.equal(loaded.view(torch.uint8), tensor.view(torch.uint8))

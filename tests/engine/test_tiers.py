@@ -4,6 +4,7 @@ save goes to, draining, retention per tier, and restoring from the nearest compl
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from statereg.backends.shm import SharedMemoryBackend
 from statereg.engine.checkpoints import list_committed
 from statereg.engine.verify import verify_files
 from statereg.engine.world import World, WorldLayout
-from statereg.errors import SpecError, StateregError, StorageError
+from statereg.errors import CorruptCheckpointError, SpecError, StateregError, StorageError
 from statereg.tiers.identity import Nodes, identity_folder, job_identity, run_id
 from tests.conftest import make_store
 
@@ -257,6 +258,97 @@ def test_a_failed_write_through_a_mapping_drops_it_and_reports_nothing() -> None
     stream.abort()  # what BackendFileSystem does when the writer raised
     assert reported == [] and len(backend._mappings) == 0
     backend.release_mappings()
+
+
+def central_crcs(data: bytes) -> list[int]:
+    """The CRC-32 of every central directory entry in a file of torch.save records."""
+    found, at = [], data.find(b"PK\x01\x02")
+    while at >= 0:
+        found.append(int.from_bytes(data[at + 16:at + 20], "little"))
+        at = data.find(b"PK\x01\x02", at + 4)
+    return found
+
+
+@pytest.mark.parametrize("drain", ["drain", "statereg cp"])
+def test_memory_records_have_no_crcs_and_their_durable_copies_get_them(
+        tmp_path: Path, drain: str) -> None:
+    """In memory, tensor records skip the zip CRC-32s (a pass over every byte that nothing
+    checks); a copy to a store that keeps them (the drain, `statereg cp`) adds them: each
+    record is then torch.save's bytes, passes zip checks, and plain DCP loads the copy."""
+    import pickle
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+
+    from statereg.engine.transfer import copy_checkpoint
+
+    trainee = Trainee()
+    durable = tmp_path / "durable"
+    with trainee.manager(tiered(str(durable), memory={"every": 1},
+                                durable={"every": 2 if drain == "drain" else 1000})) as mgr:
+        for step in (1, 2):
+            trainee.step(step)
+            mgr.save(step)
+            mgr.wait()
+        memory = mgr._tiers.memory
+        files = [f.path for f in memory.walk("step_00000002") if f.path.endswith(".distcp")]
+        in_memory = [central_crcs(memory.read_bytes(path)) for path in files]
+        if drain != "drain":
+            copy_checkpoint(memory, "step_00000002", open_backend(str(durable)))
+    assert files and all(crcs and set(crcs) == {0} for crcs in in_memory)
+    copied = open_backend(str(durable))
+    [committed] = list_committed(copied)
+    verify_files(copied, committed.name, committed.manifest.files, "full")
+    for component in ("model", "optimizer"):
+        folder = durable / "step_00000002" / component
+        metadata = pickle.loads((folder / ".metadata").read_bytes())
+        for info in metadata.storage_data.values():
+            data = (folder / info.relative_path).read_bytes()
+            record = data[info.offset:info.offset + info.length]
+            if record[:4] != b"PK\x03\x04":
+                continue  # a pickled object, not a tensor record
+            assert zipfile.ZipFile(io.BytesIO(record)).testzip() is None
+            tensor = torch.load(io.BytesIO(record), weights_only=True)
+            expected = io.BytesIO()
+            torch.save(tensor, expected)
+            assert record == expected.getvalue()  # torch.save's bytes, CRC-32s and all
+    expected = trainee.model.state_dict()
+    loaded = {name: torch.zeros_like(value) for name, value in expected.items()}
+    dcp.load(loaded, checkpoint_id=str(durable / "step_00000002" / "model"))  # torch's reader
+    assert all(torch.equal(loaded[name].view(torch.uint8), value.view(torch.uint8))
+               for name, value in expected.items())
+    restored = Trainee(seed=1)
+    with restored.manager({"storage": {"url": str(durable)}, "components": COMPONENTS}) as plain:
+        assert plain.load().step == 2
+    assert_same_bits(restored.tensors(), trainee.tensors())
+
+
+@pytest.mark.parametrize("where", ["payload", "central directory"])
+def test_a_damaged_memory_record_is_never_copied_with_fresh_crcs(tmp_path: Path,
+                                                                  where: str) -> None:
+    """Adding CRC-32s rewrites a record's bytes, so the copy checks the memory bytes against
+    their digests first: a flipped byte is refused, never laundered into a valid record."""
+    from statereg.engine.transfer import copy_checkpoint
+
+    trainee = Trainee(width=64, hidden=64)
+    with trainee.manager(tiered(str(tmp_path / "durable"), memory={"every": 1},
+                                durable={"every": 1000})) as mgr:
+        trainee.step(1)
+        mgr.save(1)
+        mgr.wait()
+        memory = mgr._tiers.memory
+        path = next(f.path for f in memory.walk("step_00000001") if f.path.endswith(".distcp"))
+        full = Path(memory.full_path(path))
+        data = bytearray(full.read_bytes())
+        at = (data.index(b"PK\x01\x02") + 16 if where == "central directory"
+              else data.index(b"archive/data/0") + 200)
+        data[at] ^= 0x10
+        full.write_bytes(bytes(data))
+        target = open_backend(str(tmp_path / "copy"))
+        with pytest.raises(CorruptCheckpointError, match="does not match its digest") as raised:
+            copy_checkpoint(memory, "step_00000001", target)
+        assert memory.display(path) in str(raised.value)
+        assert list_committed(target) == []
 
 
 def test_memory_saves_reuse_retired_checkpoints_files_and_stay_verified(
