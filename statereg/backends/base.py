@@ -319,6 +319,10 @@ class StorageBackend:
     # crosses a network or a disk; false for host memory, which each rank reads faster than
     # gloo moves it.
     broadcast_reads: ClassVar[bool] = True
+    # Whether a save writes the files of its components at the same time (engine/save_steps.py):
+    # true where a write waits on a disk or a network; false for host memory, where it is
+    # CPU work and each component's own writers (`default_io_threads`) keep the cores busy.
+    parallel_components: ClassVar[bool] = True
     # Whether tensor records carry their zip CRC-32s, as torch.save writes them by default:
     # false for host memory, where computing them is a pass over every byte that nothing
     # checks (statereg's own digests do; dcp/records.py).

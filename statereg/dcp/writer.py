@@ -227,8 +227,10 @@ class _HashingTee(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
+        # Written first: the copy reads the bytes from memory, the hash from the CPU's cache.
+        written = self._stream.write(data)
         self.hasher.update(data)
-        return self._stream.write(data)
+        return written
 
 
 def _item_size(item: WriteItem) -> int:

@@ -305,7 +305,9 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
 
     Components that need no collective (one process, or per-rank state) are written at the
     same time: on an object store each component's uploads would otherwise wait for the
-    slowest file of the one before. `plans`: the job's kept DCP plans, which components
+    slowest file of the one before. Not in memory (`parallel_components`), where writing is
+    CPU work that more threads than the writers of one component only time-slice.
+    `plans`: the job's kept DCP plans, which components
     whose plans are unchanged write by without a collective (layouts/dcp.py).
     """
     recorder = FileRecorder()
@@ -326,8 +328,8 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
         progress.update(item.nbytes)
         return report
 
-    if len(captured) > 1 and all(world.process_group(item.task.collective) is None
-                                 for item in captured):
+    if len(captured) > 1 and backend.parallel_components and all(
+            world.process_group(item.task.collective) is None for item in captured):
         with ThreadPoolExecutor(len(captured), thread_name_prefix="statereg-component") as pool:
             reports = list(pool.map(write, captured))
     else:
