@@ -215,9 +215,10 @@ class Bench:
 
     def warm_up(self, mgr: statereg.CheckpointManager) -> None:
         """Untimed saves until the memory tier is in its steady state: the first save pays
-        first-save costs (DCP plans), and until keep_last + 1 saves retention has retired
-        no checkpoint whose tmpfs pages a save writes over (shm.py, `recycle`)."""
-        for _ in range(KEEP_LAST + 1):
+        first-save costs (DCP plans), until keep_last + 1 saves retention has retired no
+        checkpoint whose tmpfs pages a save writes over (shm.py, `recycle`), and the first
+        write over each retired file maps it, which later saves reuse (mappings.py)."""
+        for _ in range(2 * (KEEP_LAST + 1)):
             mgr.save(self.next_step())
             mgr.wait()
 
