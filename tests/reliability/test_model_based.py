@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import uuid
@@ -66,7 +67,7 @@ from statereg.engine.transfer import copy_checkpoint
 STEPS = int(os.environ.get("STATEREG_MODEL_STEPS", "20"))
 SEED = os.environ.get("STATEREG_MODEL_SEED")
 # Sequences per store in CI; STATEREG_MODEL_EXAMPLES sets every store's count.
-CI_EXAMPLES = {"local": 12, "s3": 1, "no-conditional-s3": 1}
+CI_EXAMPLES = {"local": 12, "shm": 3, "s3": 1, "no-conditional-s3": 1}
 
 
 class Violation(AssertionError):
@@ -858,6 +859,36 @@ def local_env(tmp_path: Any) -> Env:
 
 def test_model_on_local_disk(tmp_path, quiet):
     run_model(local_env(tmp_path), CI_EXAMPLES["local"])
+
+
+def shm_env(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Env:
+    """A memory root (shm://, records without CRC-32s) whose copies go to local disk, where
+    each record gets its CRC-32s on the way (engine/transfer.py)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from statereg.backends.shm import SharedMemoryBackend
+
+    base = tempfile.mkdtemp(prefix="statereg-model-", dir="/dev/shm"
+                            if os.access("/dev/shm", os.W_OK) else str(tmp_path))
+    monkeypatch.setenv("STATEREG_SHM_DIR", base)
+    monkeypatch.setenv("STATEREG_NODE", "node0")
+
+    def make_root(name: str) -> Root:
+        if name.startswith("copy-"):
+            return local_env(tmp_path).make_root(name)
+        backend = SharedMemoryBackend(f"shm://{name}")
+        backend.make_private()
+        return Root(backend.url, {}, LocalFileSystem(), backend.root, local=True)
+
+    return Env("shm", make_root)
+
+
+def test_model_on_shm_copied_to_disk(tmp_path, quiet, monkeypatch):
+    env = shm_env(tmp_path, monkeypatch)
+    try:
+        run_model(env, CI_EXAMPLES["shm"])
+    finally:
+        shutil.rmtree(os.environ["STATEREG_SHM_DIR"], ignore_errors=True)
 
 
 def s3_env(kind: str, endpoint: str, admin: Any) -> Env:
