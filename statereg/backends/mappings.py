@@ -56,7 +56,8 @@ class Mapping:
 
     def close(self) -> None:
         del self.array  # the array's export of the mapping must go before the mapping
-        self.map.close()
+        with contextlib.suppress(BufferError):  # a view still alive: unmapped when it goes
+            self.map.close()
         os.close(self.fd)
 
     def deleted(self) -> bool:

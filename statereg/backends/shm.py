@@ -383,7 +383,12 @@ class SharedMemoryBackend(LocalBackend):
         mapping kept from one save to the next (mappings.py)."""
         if not self.recycle:
             return None
-        mapping = self._mappings.take(fd)
+        try:
+            mapping = self._mappings.take(fd)
+        except (OSError, ValueError) as exc:  # no address space for it: write() still works
+            logger.debug("memory tier: %s is written without a mapping (%s)",
+                         self.display(path), exc)
+            return None
         if mapping is None:
             return None
         sink = MappedFile(fd, mapping, self._mappings,

@@ -93,30 +93,39 @@ def _copy_checked(src: StorageBackend, src_dir: str, record: FileRecord, dst: St
     writer.close()
 
 
-def _copy_adding_crcs(src: StorageBackend, src_dir: str, records: dict[str, FileRecord],
-                      dst: StorageBackend, dst_dir: str, recorder: FileRecorder,
-                      progress: Progress) -> None:
-    """Copy one DCP directory whose tensor records have no CRC-32s, each record given its
-    CRC-32s on the way (`add_crcs`; same offsets and lengths) and checked against
-    its digest as it is read; other items are copied as they are, checked the same way.
-    `.metadata` is written again with the new records' digests."""
-    meta_path = f"{src_dir}/{METADATA_NAME}"
+def _copy_adding_crcs(src: StorageBackend, src_dir: str, directory: str,
+                      records: dict[str, FileRecord], dst: StorageBackend, name: str,
+                      recorder: FileRecorder, progress: Progress) -> None:
+    """Copy DCP directory `directory` of the checkpoint in `src_dir` (to `name` in `dst`),
+    whose tensor records have no CRC-32s, each record given its CRC-32s on the way
+    (`add_crcs`; same offsets and lengths) and checked against its digest as it is read;
+    other items are copied as they are, checked the same way (an item without a digest is
+    refused). `.metadata` is written again with the new records' digests; a data file no
+    item names is copied as it is, checked whole."""
+    folder = f"{src_dir}/{directory}"
+    meta_path = f"{folder}/{METADATA_NAME}"
     metadata = load_dcp_metadata(VerifiedReads(src, records).read_bytes(meta_path),
                                  src.display(meta_path))
     expected = item_checksums(metadata)
+    listed = {path.removeprefix(f"{folder}/"): record for path, record in records.items()
+              if posixpath.dirname(path) == folder and _is_dcp_file(path)}
     files: dict[str, list[Any]] = defaultdict(list)
     for index, info in metadata.storage_data.items():
         files[info.relative_path].append((info.offset, info.length, index))
+    for relative, record in listed.items():
+        if relative not in files and relative != METADATA_NAME:
+            _copy_checked(src, src_dir, record, dst, name, recorder)
+            progress.update(record.size)
     digests: dict[Any, int] = {}
     for relative, items in sorted(files.items()):
-        path = f"{src_dir}/{relative}"
+        path = f"{folder}/{relative}"
         where = src.display(path)
-        record = records.get(path)
-        if record is None or "/" in relative:
+        record = listed.get(relative)
+        if record is None:
             raise CorruptCheckpointError(
                 f"{src.display(meta_path)} refers to {where}, which the manifest does not list "
                 "in its directory; refusing to copy it: the checkpoint is damaged or altered")
-        writer = dst.open_write(f"{dst_dir}/{relative}", recorder.add)
+        writer = dst.open_write(f"{name}/{record.path}", recorder.add)
         try:
             with src.open_read(path, record.size) as stream:
                 position = 0
@@ -154,7 +163,8 @@ def _copy_adding_crcs(src: StorageBackend, src_dir: str, records: dict[str, File
             raise
         writer.close()
     setattr(metadata, ITEM_CHECKSUMS, digests)
-    with dst.open_write(f"{dst_dir}/{METADATA_NAME}", recorder.add) as out, gc_paused():
+    with dst.open_write(f"{name}/{directory}/{METADATA_NAME}", recorder.add) as out, \
+            gc_paused():
         pickle.dump(metadata, out)
 
 
@@ -235,8 +245,8 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                 _copy_checked(src, src_dir, record, dst, name, recorder)
                 progress.update(record.size)
             for directory in sorted(crc_dirs):
-                _copy_adding_crcs(src, f"{src_dir}/{directory}", every_file, dst,
-                                  f"{name}/{directory}", recorder, progress)
+                _copy_adding_crcs(src, src_dir, directory, every_file, dst, name, recorder,
+                                  progress)
             for directory in sorted(dcp_dirs):
                 _rewrite_dcp(src, f"{src_dir}/{directory}", every_file, dst,
                              f"{name}/{directory}", settings[directory], recorder)

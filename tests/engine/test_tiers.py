@@ -25,7 +25,7 @@ from unwritable import unwritable
 import statereg
 from statereg.backends.registry import open_backend
 from statereg.backends.shm import SharedMemoryBackend
-from statereg.engine.checkpoints import list_committed
+from statereg.engine.checkpoints import list_committed, read_manifest_at
 from statereg.engine.verify import verify_files
 from statereg.engine.world import World, WorldLayout
 from statereg.errors import CorruptCheckpointError, SpecError, StateregError, StorageError
@@ -244,6 +244,26 @@ def test_shm_writes_over_a_recycled_file_through_a_mapping_kept_while_its_size_h
     assert not kept
 
 
+def test_a_file_that_cannot_be_mapped_is_written_through_its_descriptor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = open_backend("shm://run7/mapped")
+    assert isinstance(backend, SharedMemoryBackend)
+    backend.recycle = True
+    path = "step_00000001/model/__0_0.distcp"
+    backend.write_bytes(path, pattern(2 * MIB, 1))
+    backend.remove_tree("step_00000001")
+
+    def no_room(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr("statereg.backends.mappings.mmap.mmap", no_room)
+    data = pattern(2 * MIB, 2)
+    with backend.open_write("step_00000002/model/__0_0.distcp") as stream:
+        stream.write(data)
+    assert backend.read_bytes("step_00000002/model/__0_0.distcp") == data
+    assert len(backend._mappings) == 0
+
+
 def test_a_failed_write_through_a_mapping_drops_it_and_reports_nothing() -> None:
     backend = open_backend("shm://run7/mapped")
     assert isinstance(backend, SharedMemoryBackend)
@@ -299,6 +319,9 @@ def test_memory_records_have_no_crcs_and_their_durable_copies_get_them(
     copied = open_backend(str(durable))
     [committed] = list_committed(copied)
     verify_files(copied, committed.name, committed.manifest.files, "full")
+    paths = [f.path for f in committed.manifest.files]
+    assert sorted(paths) == sorted(set(paths)) == sorted(
+        f.path for f in read_manifest_at(memory, "step_00000002").files)
     for component in ("model", "optimizer"):
         folder = durable / "step_00000002" / component
         metadata = pickle.loads((folder / ".metadata").read_bytes())
