@@ -244,14 +244,19 @@ def test_shm_writes_over_a_recycled_file_through_a_mapping_kept_while_its_size_h
     assert not kept
 
 
-def test_a_file_that_cannot_be_mapped_is_written_through_its_descriptor(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def with_a_retired_file() -> SharedMemoryBackend:
+    """A recycling memory root whose retired step 1 holds a 2 MiB file, for step 2 to take."""
     backend = open_backend("shm://run7/mapped")
     assert isinstance(backend, SharedMemoryBackend)
     backend.recycle = True
-    path = "step_00000001/model/__0_0.distcp"
-    backend.write_bytes(path, pattern(2 * MIB, 1))
+    backend.write_bytes("step_00000001/model/__0_0.distcp", pattern(2 * MIB, 1))
     backend.remove_tree("step_00000001")
+    return backend
+
+
+def test_a_file_that_cannot_be_mapped_is_written_through_its_descriptor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = with_a_retired_file()
 
     def no_room(*args: Any, **kwargs: Any) -> Any:
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
@@ -265,12 +270,7 @@ def test_a_file_that_cannot_be_mapped_is_written_through_its_descriptor(
 
 
 def test_a_failed_write_through_a_mapping_drops_it_and_reports_nothing() -> None:
-    backend = open_backend("shm://run7/mapped")
-    assert isinstance(backend, SharedMemoryBackend)
-    backend.recycle = True
-    path = "step_00000001/model/__0_0.distcp"
-    backend.write_bytes(path, pattern(2 * MIB, 1))
-    backend.remove_tree("step_00000001")
+    backend = with_a_retired_file()
     reported = []
     stream = backend.open_write("step_00000002/model/__0_0.distcp", reported.append)
     assert len(backend._mappings) == 1
