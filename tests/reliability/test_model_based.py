@@ -868,7 +868,7 @@ def shm_env(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Env:
 
     from statereg.backends.shm import SharedMemoryBackend
 
-    base = tempfile.mkdtemp(prefix="statereg-model-", dir="/dev/shm"
+    base = tempfile.mkdtemp(prefix="statereg-test-model-", dir="/dev/shm"
                             if os.access("/dev/shm", os.W_OK) else str(tmp_path))
     monkeypatch.setenv("STATEREG_SHM_DIR", base)
     monkeypatch.setenv("STATEREG_NODE", "node0")
