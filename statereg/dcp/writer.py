@@ -174,7 +174,7 @@ class BackendWriter(FileSystemWriter):
             for item in ordered:
                 data = planner.resolve_data(item)
                 offset = file_stream.tell()
-                stream = _HashingTee(file_stream)
+                stream = HashingTee(file_stream)
                 target, descriptors = stream, ()
                 if self.compressor is not None:
                     target, descriptors = self.compressor.encoder(item, stream)
@@ -215,7 +215,7 @@ class BackendWriter(FileSystemWriter):
             pickle.dump(metadata, out)
 
 
-class _HashingTee(io.RawIOBase):
+class HashingTee(io.RawIOBase):
     """Passes one item's bytes on to the file's stream, hashing them on the way."""
 
     def __init__(self, stream: io.IOBase) -> None:

@@ -36,7 +36,7 @@ from statereg.dcp.metadata import ITEM_CHECKSUMS, gc_paused, item_checksums, loa
 from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
 from statereg.dcp.records import RecordError, add_crcs
-from statereg.dcp.writer import BackendWriter
+from statereg.dcp.writer import BackendWriter, HashingTee
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of
 from statereg.engine.claims import claim_checkpoint, claim_scope
 from statereg.engine.load import read_records
@@ -134,7 +134,7 @@ def _copy_adding_crcs(src: StorageBackend, src_dir: str, directory: str,
                         raise CorruptCheckpointError(
                             f"{where}: its items do not follow one another from its start "
                             f"(one at byte {offset}, {position} expected)")
-                    out = _HashingOut(writer)
+                    out = HashingTee(writer)
                     read = xxhash.xxh3_64()
                     tensor = metadata.state_dict_metadata.get(index.fqn)
                     if isinstance(tensor, TensorStorageMetadata):
@@ -166,18 +166,6 @@ def _copy_adding_crcs(src: StorageBackend, src_dir: str, directory: str,
     with dst.open_write(f"{name}/{directory}/{METADATA_NAME}", recorder.add) as out, \
             gc_paused():
         pickle.dump(metadata, out)
-
-
-class _HashingOut:
-    """Passes bytes on to `stream`, hashing them (one item's new digest)."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.hasher = xxhash.xxh3_64()
-
-    def write(self, data: Any) -> int:
-        self.hasher.update(data)
-        return self.stream.write(data)
 
 
 def _rewrite_dcp(src: StorageBackend, src_dir: str, records: dict[str, FileRecord],
