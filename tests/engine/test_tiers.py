@@ -346,6 +346,30 @@ def test_memory_records_have_no_crcs_and_their_durable_copies_get_them(
     assert_same_bits(restored.tensors(), trainee.tensors())
 
 
+def test_compressed_memory_records_keep_their_crcs_and_drain_as_they_are(
+        tmp_path: Path) -> None:
+    """Compressed items would have to be decoded to get CRC-32s added, so a memory save
+    with compression writes them (inside its frames) and the drain copies the files."""
+    trainee = Trainee()
+    durable = tmp_path / "durable"
+    spec = tiered(str(durable), memory={"every": 1}, durable={"every": 2})
+    spec["storage"]["compression"] = "zstd"
+    with trainee.manager(spec) as mgr:
+        for step in (1, 2):
+            trainee.step(step)
+            mgr.save(step)
+            mgr.wait()
+        memory = mgr._tiers.memory
+        files = [f.path for f in memory.walk("step_00000002") if f.path.endswith(".distcp")]
+        in_memory = {path: memory.read_bytes(path) for path in files}
+    assert files and all((durable / path).read_bytes() == data
+                         for path, data in in_memory.items())
+    restored = Trainee(seed=1)
+    with restored.manager({"storage": {"url": str(durable)}, "components": COMPONENTS}) as plain:
+        assert plain.load().step == 2
+    assert_same_bits(restored.tensors(), trainee.tensors())
+
+
 @pytest.mark.parametrize("where", ["payload", "central directory"])
 def test_a_damaged_memory_record_is_never_copied_with_fresh_crcs(tmp_path: Path,
                                                                   where: str) -> None:
