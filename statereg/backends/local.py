@@ -506,9 +506,9 @@ class LocalBackend(StorageBackend):
     # storage.read_cache (`open_backend` sets it): whether the page cache keeps what loads
     # read and saves write (`keeps_pages`).
     read_cache: ReadCache = "auto"
-    # The bytes the load reading through this backend reads in all (`for_reading`), which
-    # auto weighs against available memory; None: each file's own size.
-    _load_bytes: int | None = None
+    # Whether the pages of the load reading through this backend stay cached, decided for
+    # all its bytes at once (`for_reading`); None: for each file's own size.
+    _load_keeps: bool | None = None
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         path = url[len("file://"):] if url.startswith("file://") else url
@@ -598,9 +598,10 @@ class LocalBackend(StorageBackend):
     def for_reading(self, nbytes: int) -> LocalBackend:
         """This backend for one load that reads `nbytes` in all: under `read_cache: auto` its
         files are read through the page cache when that total fits (`keeps_pages`), so a load
-        of a large checkpoint reads it all with O_DIRECT even file by file."""
+        of a large checkpoint reads it all with O_DIRECT even file by file. Decided once per
+        load: MemAvailable costs ~1 ms a read of /proc/meminfo here."""
         reading = copy.copy(self)
-        reading._load_bytes = nbytes
+        reading._load_keeps = self._keeps(nbytes)
         return reading
 
     # -- writing ------------------------------------------------------------------------
@@ -742,7 +743,7 @@ class LocalBackend(StorageBackend):
                 yield stream
             return
         wanted = sum(end - start for start, end in ranges)
-        keep = self._keeps(self._load_bytes if self._load_bytes is not None else wanted)
+        keep = self._load_keeps if self._load_keeps is not None else self._keeps(wanted)
         fd = self._open_contained("open", path)
         cached = _cached_share(fd, sorted(ranges)) >= _MOSTLY_CACHED
         if keep or cached or not _set_direct(fd, True):

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -66,9 +67,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in DCP metadata")
 
 
-def load_dcp_metadata(data: bytes, source: str, checked: bool = False) -> Metadata:
+# xxh3-128 digests of `.metadata` bytes that passed `_metadata_defect` in this process: a
+# later load of the same checkpoint unpickles them again (DCP sets fields on the object) but
+# skips the field walk (~2 ms for 600 tensors).
+_checked_digests: dict[int, None] = {}
+_CHECKED_KEPT = 256
+
+
+def load_dcp_metadata(data: bytes, source: str) -> Metadata:
     """Unpickle DCP metadata bytes without running code from them, and check every field
-    (unless `checked`: these very bytes passed the check before)."""
+    (unless these very bytes passed the check before in this process)."""
+    digest = xxhash.xxh3_128_intdigest(data)
+    checked = digest in _checked_digests
     try:
         with gc_paused():
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
@@ -85,6 +95,10 @@ def load_dcp_metadata(data: bytes, source: str, checked: bool = False) -> Metada
             f"{source}: DCP metadata is malformed ({defect}); the file is damaged or was not "
             "written by torch.distributed.checkpoint"
         )
+    if not checked:
+        if len(_checked_digests) >= _CHECKED_KEPT:
+            _checked_digests.clear()
+        _checked_digests[digest] = None
     return metadata
 
 

@@ -222,18 +222,22 @@ def _walked(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[in
 
 
 def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
-             shape: tuple[int, ...]) -> tuple[int, bool] | None:
-    """Offset in `stream` of the raw bytes of the record at [offset, offset+length), if plain,
-    and whether a data descriptor after them must confirm their size."""
+             shape: tuple[int, ...]) -> tuple[int, bool, bytes] | None:
+    """Offset in `stream` of the raw bytes of the record at [offset, offset+length), if plain;
+    whether a data descriptor after them must confirm their size; and the bytes read from the
+    record's start to find them (its first `_HEAD_BYTES`, or none: the caller reads those
+    again where it needs them)."""
+    stream.seek(offset)
+    head = stream.read(min(length, _HEAD_BYTES))
+    if len(head) == min(length, _HEAD_BYTES):
+        try:
+            start, nbytes = _walked(head, dtype, shape)
+            if start + nbytes + _DESCRIPTOR.size <= length:
+                return offset + start, True, head
+        except (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
+                IndexError, struct.error, UnicodeDecodeError):
+            pass
     window = RecordWindow(stream, offset, length)
-    try:
-        head = _read_exact(window, 0, min(length, _HEAD_BYTES))
-        start, nbytes = _walked(head, dtype, shape)
-        if start + nbytes + _DESCRIPTOR.size <= length:
-            return offset + start, True
-    except (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
-            IndexError, struct.error, UnicodeDecodeError):
-        pass
     try:  # the zip's central directory, at the record's end: any layout torch may write
         archive = zipfile.ZipFile(window)
         names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
@@ -248,7 +252,7 @@ def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
         data = names.get(f"data/{record.key}")
         if data is None or data.compress_type != zipfile.ZIP_STORED or data.file_size != nbytes:
             raise _NotPlain("payload")
-        return offset + _member_start(window, data), False
+        return offset + _member_start(window, data), False, b""
     except (_NotPlain, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError,
             TypeError, KeyError, IndexError, struct.error):
         return None
@@ -289,14 +293,24 @@ def _hash_range(stream: IO[bytes], start: int, end: int, hasher: Any) -> None:
         start += len(block)
 
 
+def byte_view(tensor: torch.Tensor) -> memoryview | None:
+    """The bytes of a contiguous tensor in this process's memory, writable; None otherwise."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_quantized \
+            or tensor.is_sparse:
+        return None
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
 def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
-              hasher: Any = None, landing: DeviceLanding | None = None) -> bool:
+              hasher: Any = None, landing: DeviceLanding | None = None,
+              view: memoryview | None = None) -> bool:
     """Fill `target` from the torch.save record at [offset, offset+length) of `stream`.
 
     Returns False when the record or the target is not the plain case (the caller then uses
     `load`); `target` may then hold some of the record's bytes, which the caller overwrites.
     A CUDA `target` is filled through `landing`'s page-locked slices (none: not the plain
-    case); its copies may still be in flight on return, until `landing.finish()`.
+    case); its copies may still be in flight on return, until `landing.finish()`. `view` is
+    `byte_view(target)` where the caller has it (it saves a reader thread the torch calls).
     With `hasher`, every byte of the record passes through it in order when True is
     returned. Raises EOFError if the stream ends before the record does.
     """
@@ -307,36 +321,62 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
     found = _payload(stream, offset, length, target.dtype, tuple(target.shape))
     if found is None:
         return False
-    start, check_descriptor = found
+    start, check_descriptor, head = found
+    # The head already read holds the bytes before the payload, and all of a small record:
+    # those are hashed and copied from memory instead of read again.
+    lead, nbytes = start - offset, target.nbytes
+    whole = lead + nbytes <= len(head)
     if hasher is not None:
-        _hash_range(stream, offset, start, hasher)
-    stream.seek(start)
-    nbytes = target.nbytes
+        if lead <= len(head):
+            hasher.update(head[:lead])
+        else:
+            _hash_range(stream, offset, start, hasher)
     if on_device:
         assert landing is not None
+        stream.seek(start)
         landing.fill(target.detach(), lambda view: _read_exactly(stream, view), hasher)
+        whole = False
+        stream.seek(start + nbytes)
     else:
-        data = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
-        # With a hasher, read in slices and hash each while it is still in the CPU's cache:
-        # hashing the whole tensor afterwards would read it from memory again.
-        step = _HASH_SLICE if hasher is not None else len(data)
-        for at in range(0, len(data), step):
-            _read_exactly(stream, data[at:at + step])
+        data = view if view is not None else byte_view(target)
+        assert data is not None  # a CPU target is contiguous and plain (checked above)
+        if whole:
+            data[:] = head[lead:lead + nbytes]
             if hasher is not None:
-                hasher.update(data[at:at + step])
-    rest = offset + length - start - nbytes
+                hasher.update(data)
+        else:
+            stream.seek(start)
+            # With a hasher, read in slices and hash each while it is still in the CPU's
+            # cache: hashing the whole tensor afterwards would read it from memory again.
+            step = _HASH_SLICE if hasher is not None else len(data)
+            for at in range(0, len(data), step):
+                _read_exactly(stream, data[at:at + step])
+                if hasher is not None:
+                    hasher.update(data[at:at + step])
+    # The rest of the record (data descriptor, central directory): one read, bounded.
+    rest = length - lead - nbytes
+    tail = head[lead + nbytes:] if whole else _read_upto(stream, min(rest, _HASH_BLOCK))
     if check_descriptor:
-        trailer = stream.read(min(_DESCRIPTOR64.size, rest))
         try:
-            _skip_descriptor(trailer + bytes(_DESCRIPTOR64.size), 0, nbytes)
+            _skip_descriptor(tail[:_DESCRIPTOR64.size] + bytes(_DESCRIPTOR64.size), 0, nbytes)
         except (_NotPlain, struct.error):
             return False  # not what the header walk assumed: the caller reloads it whole
-        if hasher is not None:
-            hasher.update(trailer)
     if hasher is not None:
-        end = offset + length
-        _hash_range(stream, end - rest + (len(trailer) if check_descriptor else 0), end, hasher)
+        hasher.update(tail)
+        if rest > len(tail):
+            _hash_range(stream, start + nbytes + len(tail), offset + length, hasher)
     return True
+
+
+def _read_upto(stream: IO[bytes], size: int) -> bytes:
+    """`size` bytes from `stream`'s position; EOFError if it ends first."""
+    data = stream.read(size)
+    while len(data) < size:
+        more = stream.read(size - len(data))
+        if not more:
+            raise EOFError(f"stream ended {size - len(data)} bytes before the record's end")
+        data += more
+    return data
 
 
 def _read_exactly(stream: IO[bytes], view: memoryview) -> None:

@@ -10,6 +10,7 @@ import zipfile
 
 import pytest
 import torch
+import xxhash
 
 from statereg.dcp import torchsave
 
@@ -33,6 +34,27 @@ def test_plain_records_are_read_in_place_bit_exact(tensor):
     assert torchsave.read_into(stream, offset, length, target)
     assert torch.equal(target.view(torch.uint8) if tensor.dtype == torch.bool else target,
                        tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor)
+
+
+# Payloads inside the first 4 KiB read, across its end, and far past it.
+@pytest.mark.parametrize("numel", [1, 200, 700, 1000, 1100, 1 << 18])
+def test_a_read_feeds_the_hasher_every_byte_of_the_record_once(numel):
+    tensor = torch.randn(numel)
+    stream, offset, length = record(tensor)
+    target, hasher = torch.zeros(numel), xxhash.xxh3_64()
+    assert torchsave.read_into(stream, offset, length, target, hasher)
+    assert torch.equal(target, tensor)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(
+        stream.getvalue()[offset:offset + length])
+
+
+@pytest.mark.parametrize("numel", [200, 1 << 18])
+def test_a_record_whose_descriptor_disagrees_is_declined(numel):
+    stream, offset, length = record(torch.randn(numel))
+    data = bytearray(stream.getvalue())
+    at = data.index(b"PK\x07\x08", offset + numel * 4)  # the payload's data descriptor
+    data[at + 8:at + 12] = (numel * 4 + 4).to_bytes(4, "little")  # its compressed size
+    assert not torchsave.read_into(io.BytesIO(bytes(data)), offset, length, torch.zeros(numel))
 
 
 @pytest.mark.parametrize("case", ["transposed", "offset view", "other dtype", "other shape",

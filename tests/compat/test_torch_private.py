@@ -19,8 +19,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
 from statereg.backends import FileRecorder, open_backend
-from statereg.dcp import codec
+from statereg.dcp import codec, torch_private
 from statereg.dcp.metadata import load_dcp_metadata
+from statereg.dcp.reader import BackendReader, SafeLoadPlanner
 from statereg.dcp.torch_private import StorageInfo
 from statereg.dcp.writer import BackendWriter
 
@@ -187,3 +188,46 @@ def test_own_narrow_and_set_element_agree_with_the_private_torch_ones_they_repla
         _set_element(ours, path, 7)
         traverse.set_element(theirs, path, 7)
         assert ours == theirs
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "public fallback"])
+def test_dcp_load_fills_tensors_and_objects_with_or_without_the_private_loader(
+        tmp_path, monkeypatch, private):
+    if not private:
+        monkeypatch.setattr(torch_private, "_load_state_dict", None)
+    backend = open_backend(str(tmp_path))
+    state = {"w": torch.randn(64, 64), "n": torch.nn.Parameter(torch.randn(3)),
+             "note": "step 3"}
+    dcp.save(state, storage_writer=BackendWriter(backend, "ckpt", FileRecorder()), no_dist=True)
+    back = {"w": torch.zeros(64, 64), "n": torch.nn.Parameter(torch.zeros(3)), "note": ""}
+    torch_private.dcp_load(back, storage_reader=BackendReader(backend, "ckpt"),
+                           planner=SafeLoadPlanner(), no_dist=True)
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["n"], state["n"])
+    assert back["note"] == "step 3"
+
+
+def test_dcp_load_hands_a_stateful_value_to_public_dcp_load(tmp_path, monkeypatch):
+    # dcp.load calls state_dict() and load_state_dict() of a Stateful value; the private
+    # loader would not, so dcp_load must take the public path for one.
+    class Holder:
+        def __init__(self, value: torch.Tensor) -> None:
+            self.value, self.loaded = value, None
+
+        def state_dict(self) -> dict:
+            return {"v": self.value}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.loaded = state["v"].clone()
+
+    def no_private(**kwargs: object) -> None:
+        raise AssertionError("a Stateful value went to the private loader")
+
+    backend = open_backend(str(tmp_path))
+    saved = torch.randn(5)
+    dcp.save({"h": {"v": saved}}, storage_writer=BackendWriter(backend, "ckpt", FileRecorder()),
+             no_dist=True)
+    monkeypatch.setattr(torch_private, "_load_state_dict", no_private)
+    holder = Holder(torch.zeros(5))
+    torch_private.dcp_load({"h": holder}, storage_reader=BackendReader(backend, "ckpt"),
+                           planner=SafeLoadPlanner(), no_dist=True)
+    assert torch.equal(holder.loaded, saved)

@@ -132,6 +132,37 @@ def test_load_by_url_and_by_bare_name(make_spec, make_model):
     assert mgr.load(step=1).step == 1
 
 
+def test_a_load_plan_is_made_once_per_checkpoint_and_targets(make_spec, make_model,
+                                                             monkeypatch):
+    # DCP's planning is kept for the next load of the same checkpoint into the same targets;
+    # another checkpoint, or targets of other shapes, are planned afresh.
+    from torch.distributed.checkpoint import default_planner
+
+    plans = []
+    plan = default_planner.create_default_local_load_plan
+    monkeypatch.setattr(default_planner, "create_default_local_load_plan",
+                        lambda *args, **kwargs: plans.append(1) or plan(*args, **kwargs))
+    spec = make_spec("model")
+    model = make_model(seed=0)
+    mgr = statereg.CheckpointManager(spec, model=model)
+    mgr.save(step=1)
+    first = copy.deepcopy(model.state_dict())
+    with torch.no_grad():
+        model.fc1.weight.add_(1.0)
+    mgr.save(step=2)
+    second = copy.deepcopy(model.state_dict())
+    for step, expected, made in ((2, second, 1), (2, second, 1), (1, first, 2), (1, first, 2),
+                                 (2, second, 2)):
+        with torch.no_grad():
+            model.fc1.weight.zero_()
+        mgr.load(step=step)
+        assert_same_tensors(model.state_dict(), expected)
+        assert len(plans) == made
+    model.fc1 = nn.Linear(model.fc1.in_features, model.fc1.out_features + 1)
+    with pytest.raises(statereg.CheckpointMismatchError, match=r"fc1\.weight"):
+        statereg.CheckpointManager(spec, model=model).load(step=2)
+
+
 # -- the json format ----------------------------------------------------------------------
 
 

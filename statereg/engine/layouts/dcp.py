@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -39,6 +40,7 @@ from statereg.dcp.planner import PLAIN_TENSOR_TYPES, StateregSavePlanner, plan_d
 from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner
 from statereg.dcp.reports import ItemReports, pack_results, unpack_results
+from statereg.dcp.torch_private import dcp_load
 from statereg.dcp.writer import BackendWriter, WriteReport
 from statereg.engine.layouts.base import (
     Captured,
@@ -258,7 +260,10 @@ class DCPLayout:
             prints = ctx.world.gather_checked(None if found is None else found[4], error,
                                               f"checking component {task.component!r}", group)
             reader.shared = len(prints) > 1 and prints[0] is not None and len(set(prints)) == 1
-        adapter, sidecar, stored, targets, _ = found
+        adapter, sidecar, stored, targets, fingerprint = found
+        # The same checkpoint into the same targets again: DCP's plan is made once.
+        plan_key = None if fingerprint is None else (
+            xxhash.xxh3_128_intdigest(reader.metadata_bytes), fingerprint)
 
         def apply() -> None:
             # Shared reads plan on each rank alone (their plans are equal); otherwise DCP
@@ -266,7 +271,7 @@ class DCPLayout:
             alone = reader.shared or group is None
             try:
                 with single_process_dcp():
-                    dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(),
+                    dcp_load(targets, storage_reader=reader, planner=SafeLoadPlanner(plan_key),
                              process_group=None if alone else group, no_dist=alone)
             except BaseException as exc:
                 inner = unwrap_alone(exc) if alone else exc
@@ -364,8 +369,7 @@ class GroupReader(BackendReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         where = self.source.display(f"{self.path}/{METADATA_NAME}")
         # A fresh object each time (DCP sets fields on it), the same bytes checked once.
-        metadata = load_dcp_metadata(self.metadata_bytes, where, checked=self._metadata_checked)
-        self._metadata_checked = True
+        metadata = load_dcp_metadata(self.metadata_bytes, where)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
