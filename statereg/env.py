@@ -27,6 +27,7 @@ PEER_TIMEOUT_S = "STATEREG_PEER_TIMEOUT_S"
 CLAIM_LEASE_S = "STATEREG_CLAIM_LEASE_S"
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 MASTER_ADDR = "MASTER_ADDR"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 STORAGE_EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
 
 
@@ -96,6 +97,13 @@ def gloo_interface() -> str:
 def master_addr() -> str:
     """$MASTER_ADDR: the job's rendezvous host, as torchrun sets it; "" when unset."""
     return _text(MASTER_ADDR)
+
+
+def local_world_size() -> int:
+    """$LOCAL_WORLD_SIZE: the ranks on this node, as torchrun sets it; 1 when unset or not a
+    positive whole number (torchrun's variable, not statereg's to refuse)."""
+    raw = _text(LOCAL_WORLD_SIZE)
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
 def storage_emulator_host() -> str:

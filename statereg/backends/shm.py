@@ -54,6 +54,18 @@ _OVERWRITE = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def memory_writers() -> int:
+    """Files a rank writes (and reads) at once in memory: this process's cores shared among
+    the node's ranks, 2 to 8. A memory save is CPU work (copy, hash), so it scales with the
+    cores it may use: 2 on a 2-core machine, 8 for one rank on a 16-core node (a 2 GB save
+    there took 5.1x a memory copy with 2 writers; docs/performance.md, "On a GPU (H100)")."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 2
+    return max(2, min(8, cpus // env.local_world_size()))
+
+
 def shm_dir() -> str:
     """The shared-memory folder: $STATEREG_SHM_DIR, else /dev/shm."""
     return env.shm_dir() or DEFAULT_SHM_DIR
@@ -242,12 +254,17 @@ class SharedMemoryBackend(LocalBackend):
                  recycle: bool = False) -> None:
         super().__init__(url, options)
         self.recycle = recycle
+        self._writers = memory_writers()
         # The mappings this process writes recycled files through (mappings.py).
         self._mappings = Mappings()
         # Whether every folder down to the root exists and is this user's (`check_private`):
         # checked now (a folder of another user is refused at once), and before each
         # operation until the whole chain exists.
         self._private = check_private(self.root, create=False)
+
+    @property  # type: ignore[override]
+    def default_io_threads(self) -> int:  # storage.io_threads, when unset, for memory roots
+        return self._writers
 
     def make_private(self) -> None:
         """Create the root (each missing folder 0700) and check the chain down to it."""

@@ -202,6 +202,21 @@ def test_shm_recycling_writes_over_a_retired_file_and_cuts_it_to_its_new_size() 
     assert backend.list_dir("") == []
 
 
+@pytest.mark.parametrize(("cpus", "local_ranks", "writers"), [
+    (2, None, 2), (16, None, 8), (16, "4", 4), (16, "16", 2), (64, "2", 8), (16, "x", 8)])
+def test_memory_writers_share_the_cores_among_the_nodes_ranks(monkeypatch, cpus, local_ranks,
+                                                              writers) -> None:
+    # A memory save is CPU work: the writers per rank follow the cores this process may use
+    # and torchrun's LOCAL_WORLD_SIZE (a value that is not a count reads as one rank).
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    if local_ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    assert open_backend("shm://run7/writers").default_io_threads == writers
+    assert open_backend(str(tempfile.gettempdir())).default_io_threads == 2  # disk: unchanged
+
+
 MIB = 1 << 20
 
 
