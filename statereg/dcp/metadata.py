@@ -9,6 +9,7 @@ that admits only DCP's metadata classes (and torch dtypes), then checked field b
 from __future__ import annotations
 
 import gc
+import hashlib
 import io
 import pickle
 from collections.abc import Generator, Sequence
@@ -16,7 +17,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import xxhash
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -67,17 +67,23 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in DCP metadata")
 
 
-# xxh3-128 digests of `.metadata` bytes that passed `_metadata_defect` in this process: a
-# later load of the same checkpoint unpickles them again (DCP sets fields on the object) but
-# skips the field walk (~2 ms for 600 tensors).
-_checked_digests: dict[int, None] = {}
+def metadata_digest(data: bytes) -> bytes:
+    """What names `.metadata` bytes in this process's caches: a BLAKE2b digest, so that no
+    crafted file can pass for bytes checked before (~0.1 ms for 600 tensors' metadata)."""
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+# Digests of `.metadata` bytes that passed `_metadata_defect` in this process: a later load
+# of the same checkpoint unpickles them again (DCP sets fields on the object) but skips the
+# field walk (~2 ms for 600 tensors).
+_checked_digests: dict[bytes, None] = {}
 _CHECKED_KEPT = 256
 
 
 def load_dcp_metadata(data: bytes, source: str) -> Metadata:
     """Unpickle DCP metadata bytes without running code from them, and check every field
     (unless these very bytes passed the check before in this process)."""
-    digest = xxhash.xxh3_128_intdigest(data)
+    digest = metadata_digest(data)
     checked = digest in _checked_digests
     try:
         with gc_paused():

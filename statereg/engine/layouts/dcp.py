@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import xxhash
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -35,7 +34,7 @@ from torch.futures import Future
 from statereg.backends.base import ReadableStore
 from statereg.backends.checksum import FileRecorder, WrittenFile
 from statereg.dcp import METADATA_NAME
-from statereg.dcp.metadata import load_dcp_metadata
+from statereg.dcp.metadata import load_dcp_metadata, metadata_digest
 from statereg.dcp.planner import PLAIN_TENSOR_TYPES, StateregSavePlanner, plan_digest
 from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner
@@ -263,7 +262,7 @@ class DCPLayout:
         adapter, sidecar, stored, targets, fingerprint = found
         # The same checkpoint into the same targets again: DCP's plan is made once.
         plan_key = None if fingerprint is None else (
-            xxhash.xxh3_128_intdigest(reader.metadata_bytes), fingerprint)
+            metadata_digest(reader.metadata_bytes), fingerprint)
 
         def apply() -> None:
             # Shared reads plan on each rank alone (their plans are equal); otherwise DCP
