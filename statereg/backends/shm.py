@@ -58,7 +58,8 @@ def memory_writers() -> int:
     """Files a rank writes (and reads) at once in memory: this process's cores shared among
     the node's ranks, 2 to 8. A memory save is CPU work (copy, hash), so it scales with the
     cores it may use: 2 on a 2-core machine, 8 for one rank on a 16-core node (a 2 GB save
-    there took 5.1x a memory copy with 2 writers; docs/performance.md, "On a GPU (H100)")."""
+    there took 5.1x a memory copy with 2 writers, 2.4x with 8; docs/performance.md, "Memory
+    saves on 16 cores")."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
