@@ -57,6 +57,16 @@ def test_a_record_whose_descriptor_disagrees_is_declined(numel):
     assert not torchsave.read_into(io.BytesIO(bytes(data)), offset, length, torch.zeros(numel))
 
 
+def test_a_stream_that_ends_inside_a_records_tail_raises_eof():
+    # The payload read in full, the record's end missing: EOFError, which the reader reports
+    # as a damaged file; never True with a hasher that saw fewer bytes than the record.
+    tensor = torch.randn(1 << 16)
+    stream, offset, length = record(tensor)
+    cut = io.BytesIO(stream.getvalue()[:offset + length - 10])
+    with pytest.raises(EOFError):
+        torchsave.read_into(cut, offset, length, torch.zeros(1 << 16), xxhash.xxh3_64())
+
+
 @pytest.mark.parametrize("case", ["transposed", "offset view", "other dtype", "other shape",
                                   "target not contiguous"])
 def test_records_that_are_not_the_plain_case_are_declined_untouched(case):
