@@ -135,7 +135,10 @@ class BackendReader(FileSystemReader):
         if req.type == LoadItemType.BYTE_IO or self.storage_data[req.storage_index
                                                                  ].transform_descriptors:
             return None
-        target = planner.resolve_tensor(req).detach()
+        try:
+            target = planner.resolve_tensor(req).detach()
+        except torchsave.RECORD_ERRORS as exc:
+            raise self._unreadable(req, exc) from None
         return target, torchsave.byte_view(target)
 
     def _read_file(self, backend: StorageBackend, relative_path: str, items: list[ReadItem],
@@ -158,11 +161,12 @@ class BackendReader(FileSystemReader):
                 try:
                     self._read_item(stream, req, planner, landing, targets[id(req)])
                 except torchsave.RECORD_ERRORS as exc:
-                    raise CorruptCheckpointError(
-                        f"{self.describe_item(req.storage_index)} cannot be read "
-                        f"({type(exc).__name__}: {exc}); the file is damaged: load an earlier "
-                        "checkpoint"
-                    ) from None
+                    raise self._unreadable(req, exc) from None
+
+    def _unreadable(self, req: ReadItem, exc: Exception) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.describe_item(req.storage_index)} cannot be read ({type(exc).__name__}: "
+            f"{exc}); the file is damaged: load an earlier checkpoint")
 
     def _read_item(self, stream: Any, req: ReadItem, planner: LoadPlanner,
                    landing: DeviceLanding, resolved: _Target | None) -> None:

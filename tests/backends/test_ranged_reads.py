@@ -167,3 +167,20 @@ def test_a_partial_load_from_local_disk_reads_the_same_bytes(tmp_path):
     loaded = _load(str(tmp_path), {}, records, ["t0", "t3", "t7"])
 
     assert all(torch.equal(loaded[key], state[key]) for key in ("t0", "t3", "t7"))
+
+
+def test_a_destination_that_cannot_be_resolved_is_reported_with_its_item(tmp_path):
+    # Destinations are resolved before the reader threads start; a failure there still names
+    # the item and is statereg's error, as a failure while reading it is.
+    _save(str(tmp_path), {})
+
+    class Broken(SafeLoadPlanner):
+        def resolve_tensor(self, read_item):
+            raise RuntimeError("narrow out of range")
+
+    targets = {"t3": torch.zeros(256, 256)}
+    reader = BackendReader(open_backend(str(tmp_path)), "ckpt")
+    with caught() as loading:
+        load_in_place(targets, reader, Broken())
+    with pytest.raises(CorruptCheckpointError, match=r"'t3'.*RuntimeError: narrow out of range"):
+        raise_own(loading.error, "load", 0)
