@@ -304,6 +304,26 @@ def central_crcs(data: bytes) -> list[int]:
     return found
 
 
+def saved_in_memory_twice(trainee: Trainee, mgr: statereg.CheckpointManager,
+                          ) -> tuple[SharedMemoryBackend, list[str]]:
+    """Steps 1 and 2 trained and saved (each waited for): the memory root, and the data files
+    of step 2 there."""
+    for step in (1, 2):
+        trainee.step(step)
+        mgr.save(step)
+        mgr.wait()
+    memory = mgr._tiers.memory
+    return memory, [f.path for f in memory.walk("step_00000002") if f.path.endswith(".distcp")]
+
+
+def assert_restores_step_2(durable: Path, trainee: Trainee) -> None:
+    """A fresh trainee loads step 2 from `durable` alone, bit for bit `trainee`'s state."""
+    restored = Trainee(seed=1)
+    with restored.manager({"storage": {"url": str(durable)}, "components": COMPONENTS}) as plain:
+        assert plain.load().step == 2
+    assert_same_bits(restored.tensors(), trainee.tensors())
+
+
 @pytest.mark.parametrize("drain", ["drain", "statereg cp"])
 def test_memory_records_have_no_crcs_and_their_durable_copies_get_them(
         tmp_path: Path, drain: str) -> None:
@@ -321,12 +341,7 @@ def test_memory_records_have_no_crcs_and_their_durable_copies_get_them(
     durable = tmp_path / "durable"
     with trainee.manager(tiered(str(durable), memory={"every": 1},
                                 durable={"every": 2 if drain == "drain" else 1000})) as mgr:
-        for step in (1, 2):
-            trainee.step(step)
-            mgr.save(step)
-            mgr.wait()
-        memory = mgr._tiers.memory
-        files = [f.path for f in memory.walk("step_00000002") if f.path.endswith(".distcp")]
+        memory, files = saved_in_memory_twice(trainee, mgr)
         in_memory = [central_crcs(memory.read_bytes(path)) for path in files]
         if drain != "drain":
             copy_checkpoint(memory, "step_00000002", open_backend(str(durable)))
@@ -355,10 +370,7 @@ def test_memory_records_have_no_crcs_and_their_durable_copies_get_them(
     dcp.load(loaded, checkpoint_id=str(durable / "step_00000002" / "model"))  # torch's reader
     assert all(torch.equal(loaded[name].view(torch.uint8), value.view(torch.uint8))
                for name, value in expected.items())
-    restored = Trainee(seed=1)
-    with restored.manager({"storage": {"url": str(durable)}, "components": COMPONENTS}) as plain:
-        assert plain.load().step == 2
-    assert_same_bits(restored.tensors(), trainee.tensors())
+    assert_restores_step_2(durable, trainee)
 
 
 def test_compressed_memory_records_keep_their_crcs_and_drain_as_they_are(
@@ -370,19 +382,11 @@ def test_compressed_memory_records_keep_their_crcs_and_drain_as_they_are(
     spec = tiered(str(durable), memory={"every": 1}, durable={"every": 2})
     spec["storage"]["compression"] = "zstd"
     with trainee.manager(spec) as mgr:
-        for step in (1, 2):
-            trainee.step(step)
-            mgr.save(step)
-            mgr.wait()
-        memory = mgr._tiers.memory
-        files = [f.path for f in memory.walk("step_00000002") if f.path.endswith(".distcp")]
+        memory, files = saved_in_memory_twice(trainee, mgr)
         in_memory = {path: memory.read_bytes(path) for path in files}
     assert files and all((durable / path).read_bytes() == data
                          for path, data in in_memory.items())
-    restored = Trainee(seed=1)
-    with restored.manager({"storage": {"url": str(durable)}, "components": COMPONENTS}) as plain:
-        assert plain.load().step == 2
-    assert_same_bits(restored.tensors(), trainee.tensors())
+    assert_restores_step_2(durable, trainee)
 
 
 @pytest.mark.parametrize("where", ["payload", "central directory"])
