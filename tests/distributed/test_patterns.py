@@ -91,6 +91,37 @@ def test_replicated_model_is_written_once(store, tmp_path: Path) -> None:
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
+def replicated_loads_again(rank: int, world: int, url: str) -> None:
+    # DCP's load plan is kept per checkpoint and targets: loads of one checkpoint after
+    # another, on every rank of a gloo group, each bit-exact, one plan per checkpoint.
+    from torch.distributed.checkpoint import default_planner
+
+    plans = []
+    plan = default_planner.create_default_local_load_plan
+    default_planner.create_default_local_load_plan = (
+        lambda *args, **kwargs: plans.append(1) or plan(*args, **kwargs))
+    model = _model(seed=0)
+    mgr = statereg.CheckpointManager(_replicated_spec(url, {}), model=model)
+    mgr.save(step=1)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    mgr.save(step=2)
+    second = {k: v.clone() for k, v in model.state_dict().items()}
+    for step, expected, made in ((2, second, 1), (1, first, 2), (2, second, 2), (1, first, 2)):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        mgr.load(step=step)
+        for key, value in expected.items():
+            assert torch.equal(model.state_dict()[key], value), (rank, step, key)
+        assert len(plans) == made, (rank, step, len(plans))
+
+
+def test_loads_again_reuse_their_plan_on_every_rank(tmp_path: Path) -> None:
+    run_ranks(2, replicated_loads_again, tmp_path, str(tmp_path / "ckpt"))
+
+
 def test_replicas_that_differ_fail_the_save_naming_tensor_and_ranks(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     run_ranks(2, replicated_save, tmp_path, str(root), {}, True, True)
