@@ -80,10 +80,11 @@ _checked_digests: dict[bytes, None] = {}
 _CHECKED_KEPT = 256
 
 
-def load_dcp_metadata(data: bytes, source: str) -> Metadata:
+def load_dcp_metadata(data: bytes, source: str, digest: bytes | None = None) -> Metadata:
     """Unpickle DCP metadata bytes without running code from them, and check every field
-    (unless these very bytes passed the check before in this process)."""
-    digest = metadata_digest(data)
+    (unless these very bytes passed the check before in this process). `digest`:
+    `metadata_digest(data)`, where the caller keeps it."""
+    digest = digest or metadata_digest(data)
     checked = digest in _checked_digests
     try:
         with gc_paused():

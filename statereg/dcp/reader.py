@@ -35,7 +35,7 @@ from statereg.backends.checksum import Recorded, VerifiedReads, verify_stream
 from statereg.dcp import METADATA_NAME, codec, torchsave
 from statereg.dcp.device_reads import DeviceLanding
 from statereg.dcp.fs import BackendFileSystem, normalize_path
-from statereg.dcp.metadata import item_checksums, load_dcp_metadata
+from statereg.dcp.metadata import item_checksums, load_dcp_metadata, metadata_digest
 from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reuse import item_key
 from statereg.dcp.torch_private import StorageInfo
@@ -76,6 +76,7 @@ class BackendReader(FileSystemReader):
         self.records = records
         self._backend = backend
         self._metadata_bytes: bytes | None = None
+        self._metadata_digest = b""
         self._metadata: Metadata | None = None
         self._checksums: dict[MetadataIndex, int] = {}
 
@@ -255,8 +256,10 @@ class BackendReader(FileSystemReader):
         meta_path = self.fs.concat_path(self.path, METADATA_NAME)
         if self._metadata_bytes is None:
             self._metadata_bytes = self._backend.read_bytes(meta_path)
+            self._metadata_digest = metadata_digest(self._metadata_bytes)
         # A fresh object each time (DCP sets fields on it), the same bytes checked once.
-        metadata = load_dcp_metadata(self._metadata_bytes, self._backend.display(meta_path))
+        metadata = load_dcp_metadata(self._metadata_bytes, self._backend.display(meta_path),
+                                     self._metadata_digest)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

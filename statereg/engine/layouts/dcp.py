@@ -261,8 +261,7 @@ class DCPLayout:
             reader.shared = len(prints) > 1 and prints[0] is not None and len(set(prints)) == 1
         adapter, sidecar, stored, targets, fingerprint = found
         # The same checkpoint into the same targets again: DCP's plan is made once.
-        plan_key = None if fingerprint is None else (
-            metadata_digest(reader.metadata_bytes), fingerprint)
+        plan_key = None if fingerprint is None else (reader.metadata_digest, fingerprint)
 
         def apply() -> None:
             # Shared reads plan on each rank alone (their plans are equal); otherwise DCP
@@ -361,6 +360,7 @@ class GroupReader(BackendReader):
         super().__init__(backend, path, records=records)
         self.source = backend
         self.metadata_bytes = metadata
+        self.metadata_digest = metadata_digest(metadata)  # read_metadata and the plan's key
         self.world = world
         self.group = group
         self.shared = False
@@ -368,7 +368,7 @@ class GroupReader(BackendReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         where = self.source.display(f"{self.path}/{METADATA_NAME}")
         # A fresh object each time (DCP sets fields on it), the same bytes checked once.
-        metadata = load_dcp_metadata(self.metadata_bytes, where)
+        metadata = load_dcp_metadata(self.metadata_bytes, where, self.metadata_digest)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
