@@ -388,13 +388,8 @@ def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearra
     blob = memoryview(blob)
     if len(blob) >= 4 and bytes(blob[:4]) == _MAGIC_V1:
         return _decode_planes_v1(blob, bound, source)
-    if len(blob) < _HEADER.size:
-        raise _damaged(source, "shorter than its header")
-    magic, elem_size, rotate, block_elems, prefix_len, body_len, suffix_len, digest = \
-        _HEADER.unpack_from(blob)
-    if (magic != _MAGIC or elem_size not in _UINT or rotate > 1 or block_elems < 1
-            or body_len % elem_size):
-        raise _damaged(source, "bad header")
+    header = _planes_header(blob, source)
+    prefix_len, body_len, suffix_len = header[3:6]
     total = prefix_len + body_len + suffix_len
     if total > bound:
         raise CorruptCheckpointError(
@@ -402,6 +397,59 @@ def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearra
             "metadata allows; refusing to inflate it"
         )
     out = bytearray(total)
+    view = memoryview(out)
+    prefix, suffix = _decode_planes_v2(blob, header, view[prefix_len:prefix_len + body_len],
+                                       source)
+    view[:prefix_len] = prefix
+    view[prefix_len + body_len:] = suffix
+    return out
+
+
+def decode_into(descriptors: Sequence[str], blob: bytes, into: memoryview, source: str,
+                frames: Callable[[bytes, bytes], bool]) -> bool:
+    """Decode one item straight into `into` (a tensor's own bytes), if it can be.
+
+    It can when the item is one `statereg.planes/2` encoding whose body is exactly `into`'s
+    size, and `frames(prefix, suffix)` says the stored bytes around the body make the plain
+    record of that tensor. That skips `decode`'s buffer of the whole record (fresh pages) and
+    the copy out of it. Returns False, with nothing written, where it cannot; raises
+    CorruptCheckpointError as `decode` does, `into` then holding part of the item.
+    """
+    if list(descriptors) != [PLANES_DESCRIPTOR]:
+        return False
+    view = memoryview(blob)
+    if len(view) < 4 or bytes(view[:4]) != _MAGIC:
+        return False
+    header = _planes_header(view, source)
+    prefix_len, body_len, suffix_len = header[3:6]
+    if body_len != len(into) or _HEADER.size + prefix_len + suffix_len > len(view):
+        return False
+    prefix = bytes(view[_HEADER.size:_HEADER.size + prefix_len])
+    suffix = bytes(view[len(view) - suffix_len:])
+    if not frames(prefix, suffix):
+        return False
+    _decode_planes_v2(view, header, into, source)
+    return True
+
+
+def _planes_header(blob: memoryview, source: str) -> tuple[int, ...]:
+    """The checked header of a `statereg.planes/2` item, less its magic."""
+    if len(blob) < _HEADER.size:
+        raise _damaged(source, "shorter than its header")
+    magic, *header = _HEADER.unpack_from(blob)
+    elem_size, rotate, block_elems, _, body_len = header[:5]
+    if (magic != _MAGIC or elem_size not in _UINT or rotate > 1 or block_elems < 1
+            or body_len % elem_size):
+        raise _damaged(source, "bad header")
+    return tuple(header)
+
+
+def _decode_planes_v2(blob: memoryview, header: tuple[int, ...], body: memoryview,
+                      source: str) -> tuple[memoryview, memoryview]:
+    """Decode the blocks of a `statereg.planes/2` item into `body` (its size, from
+    `header`), hashing each block while it is in cache; returns the stored prefix and
+    suffix, once the digest of the three together matched."""
+    elem_size, rotate, block_elems, prefix_len, _, suffix_len, digest = header
     pos = _HEADER.size
 
     def take(length: int, what: str) -> memoryview:
@@ -412,9 +460,9 @@ def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearra
         pos += length
         return chunk
 
-    out[:prefix_len] = take(prefix_len, "prefix")
-    columns = np.frombuffer(out, dtype=np.uint8, count=body_len,
-                            offset=prefix_len).reshape(-1, elem_size)
+    prefix = take(prefix_len, "prefix")
+    hasher = xxhash.xxh3_64(prefix)
+    columns = np.frombuffer(body, dtype=np.uint8).reshape(-1, elem_size)
     index = struct.Struct("<" + "BI" * elem_size)
     for start in range(0, len(columns), block_elems):
         block = columns[start:start + block_elems]
@@ -444,12 +492,14 @@ def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearra
             planes[-2] = np.bitwise_or(np.right_shift(nxt, 1), top_low)
         for k in range(elem_size):
             block[:, k] = planes[k]
-    out[prefix_len + body_len:] = take(suffix_len, "suffix")
+        hasher.update(block)
+    suffix = take(suffix_len, "suffix")
     if pos != len(blob):
         raise _damaged(source, f"{len(blob) - pos} unexpected trailing bytes")
-    if xxhash.xxh3_64_intdigest(out) != digest:
+    hasher.update(suffix)
+    if hasher.intdigest() != digest:
         raise _damaged(source, "its digest does not match the decoded bytes")
-    return out
+    return prefix, suffix
 
 
 def _decode_planes_v1(blob: memoryview, bound: int, source: str) -> bytearray:

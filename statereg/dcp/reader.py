@@ -132,9 +132,9 @@ class BackendReader(FileSystemReader):
         return done
 
     def _target(self, req: ReadItem, planner: LoadPlanner) -> _Target | None:
-        """The destination of a tensor item read in place, with its bytes; None otherwise."""
-        if req.type == LoadItemType.BYTE_IO or self.storage_data[req.storage_index
-                                                                 ].transform_descriptors:
+        """The destination of a tensor item, with its bytes (None where it has none in this
+        process's memory); None for an object item."""
+        if req.type == LoadItemType.BYTE_IO:
             return None
         try:
             target = planner.resolve_tensor(req).detach()
@@ -175,7 +175,7 @@ class BackendReader(FileSystemReader):
         (`resolved`: the tensor read in place and its bytes, from `_target`)."""
         info: StorageInfo = self.storage_data[req.storage_index]
         expected = self._checksums.get(req.storage_index) if self.records is not None else None
-        if resolved is not None:
+        if resolved is not None and not info.transform_descriptors:
             target, view = resolved
             hasher = xxhash.xxh3_64() if expected is not None else None
             if torchsave.read_into(stream, info.offset, info.length, target, hasher, landing,
@@ -198,12 +198,19 @@ class BackendReader(FileSystemReader):
         if expected is not None:
             _check_item(where, expected, xxhash.xxh3_64_intdigest(blob))
         if info.transform_descriptors:
+            if resolved is not None and resolved[1] is not None:
+                target, view = resolved
+                if codec.decode_into(info.transform_descriptors, blob, view, where,
+                                     lambda prefix, suffix: torchsave.frames(prefix, suffix,
+                                                                             target)):
+                    planner.commit_tensor(req, target)
+                    return
             blob = codec.decode(info.transform_descriptors, blob,
                                 self.decoded_bound(req.storage_index), where)
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(blob))
             return
-        target = planner.resolve_tensor(req).detach()
+        target = resolved[0] if resolved is not None else planner.resolve_tensor(req).detach()
         source = io.BytesIO(blob)
         if not torchsave.read_into(source, 0, len(blob), target, landing=landing):
             tensor = torchsave.load(source, 0, len(blob), where)

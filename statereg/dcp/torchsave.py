@@ -258,6 +258,21 @@ def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
         return None
 
 
+
+def frames(prefix: bytes, suffix: bytes, target: torch.Tensor) -> bool:
+    """Whether `prefix`, then `target`'s bytes, then `suffix` is the plain record of `target`
+    (its dtype and shape), with the payload exactly between the two: a decoder can then
+    write the payload straight into `target`. The walk of `_payload`, on bytes in memory."""
+    try:
+        start, nbytes = _walked(prefix, target.dtype, tuple(target.shape))
+        if start != len(prefix) or nbytes != target.nbytes:
+            return False
+        _skip_descriptor(suffix[:_DESCRIPTOR64.size] + bytes(_DESCRIPTOR64.size), 0, nbytes)
+    except (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
+            IndexError, struct.error, UnicodeDecodeError):
+        return False
+    return True
+
 def _member_start(window: RecordWindow, info: zipfile.ZipInfo) -> int:
     header = _LOCAL_HEADER.unpack(_read_exact(window, info.header_offset, _LOCAL_HEADER.size))
     if header[0] != zipfile.stringFileHeader:

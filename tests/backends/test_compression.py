@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import subprocess
@@ -20,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import statereg
-from statereg.dcp import codec
+from statereg.dcp import codec, torchsave
 from statereg.dcp.metadata import load_dcp_metadata
 from statereg.dcp.torch_private import storage_info
 
@@ -274,6 +275,87 @@ def test_a_decompression_bomb_stops_at_the_item_size(tmp_path, content_size):
     with pytest.raises(statereg.CorruptCheckpointError, match=r"refusing to inflate|inflates past"):
         load_one_tensor(url)
 
+
+
+def planes_record(tensor: torch.Tensor) -> bytes:
+    """`tensor`'s torch.save record, float-aware encoded as the writer encodes an item."""
+    record = io.BytesIO()
+    torch.save(tensor, record)
+    raw = tensor.view(torch.uint8).numpy().tobytes()
+    at = record.getvalue().find(raw)
+    prefix, suffix = record.getvalue()[:at], record.getvalue()[at + len(raw):]
+    elem, rotate = codec.float_layout(tensor.dtype)
+    return encoded(codec.encode_planes, memoryview(raw), elem, rotate,
+                   codec.CompressionSettings(), prefix=prefix, suffix=suffix)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_planes_item_decodes_straight_into_its_tensor(dtype):
+    tensor = torch.randn(300, 700, generator=torch.Generator().manual_seed(1)).to(dtype)
+    blob = planes_record(tensor)
+    target = torch.zeros_like(tensor)
+
+    def frames(prefix: bytes, suffix: bytes) -> bool:
+        return torchsave.frames(prefix, suffix, target)
+
+    view = torchsave.byte_view(target)
+    assert codec.decode_into([codec.PLANES_DESCRIPTOR], blob, view, "item", frames)
+    assert torch.equal(target.view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_an_item_that_does_not_frame_its_tensor_is_left_to_the_full_decode():
+    tensor = torch.randn(256, 256, generator=torch.Generator().manual_seed(2))
+    blob = planes_record(tensor)
+    for target, descriptors in ((torch.zeros(128, 512), [codec.PLANES_DESCRIPTOR]),  # shape
+                                (torch.zeros(65536, dtype=torch.int32),  # dtype
+                                 [codec.PLANES_DESCRIPTOR]),
+                                (torch.zeros(128, 256), [codec.PLANES_DESCRIPTOR]),  # size
+                                (torch.zeros(256, 256), [codec.ZSTD_DESCRIPTOR])):
+        assert not codec.decode_into(descriptors, blob, torchsave.byte_view(target), "item",
+                                     lambda p, s, t=target: torchsave.frames(p, s, t))
+        assert not target.any()  # nothing written
+    whole = codec.decode_planes(blob, 1 << 30, "item")
+    assert torch.equal(torchsave.load(io.BytesIO(whole), 0, len(whole), "item"), tensor)
+
+
+def test_a_damaged_planes_item_decoded_in_place_names_the_item():
+    tensor = torch.randn(256, 256, generator=torch.Generator().manual_seed(3))
+    blob = bytearray(planes_record(tensor))
+    blob[len(blob) // 2] ^= 0x10  # inside a raw mantissa plane: only the digest can tell
+    target = torch.zeros_like(tensor)
+    with pytest.raises(statereg.CorruptCheckpointError,
+                       match=r"model/weight: float-aware item is damaged \(its digest"):
+        codec.decode_into([codec.PLANES_DESCRIPTOR], bytes(blob), torchsave.byte_view(target),
+                          "model/weight", lambda p, s: torchsave.frames(p, s, target))
+
+
+def test_a_compressed_load_decodes_float_tensors_in_place(tmp_path, monkeypatch):
+    def made(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 384).bfloat16())
+        opt = torch.optim.AdamW(model.parameters())
+        for param in model.parameters():
+            param.grad = torch.randn_like(param)
+        opt.step()
+        return model, opt
+
+    model, opt = made(0)
+    spec = {"storage": {"url": str(tmp_path / "ck"), "compression": "zstd"},
+            "components": {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}}}
+    url = statereg.CheckpointManager(spec, model=model, optimizer=opt).save(step=1)
+    planed = [info for path in Path(url).rglob(".metadata")
+              for info in load_dcp_metadata(path.read_bytes(), str(path)).storage_data.values()
+              if tuple(info.transform_descriptors) == (codec.PLANES_DESCRIPTOR,)]
+    assert len(planed) == 6  # two weights and their two Adam moments each
+    whole_decodes: list[int] = []
+    decode_planes = codec.decode_planes
+    monkeypatch.setattr(codec, "decode_planes", lambda blob, bound, source: (
+        whole_decodes.append(len(blob)), decode_planes(blob, bound, source))[1])
+
+    other, other_opt = made(1)
+    statereg.CheckpointManager(spec, model=other, optimizer=other_opt).load(url)
+    assert_same_state(model, opt, other, other_opt)
+    assert whole_decodes == []
 
 def test_a_planes_header_cannot_claim_more_than_the_item():
     raw = memoryview(torch.randn(1000).numpy().view("uint8"))
