@@ -84,6 +84,8 @@ _PROBE_BYTES = 32 * 1024
 _KEEP_VIEW = 64 * 1024
 # Smaller float tensors get one plain zstd frame: splitting them costs more than it saves.
 MIN_PLANES_BYTES = _KEEP_VIEW
+# The decoded bytes a FrameStream keeps from a frame's start (a record's header is ~1 KiB).
+_KEPT_HEAD = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -380,6 +382,88 @@ def decode_zstd(frame: bytes, bound: int, source: str) -> bytes:
     if len(out) > bound:
         raise CorruptCheckpointError(f"{source}: a compressed item inflates past {bound} bytes")
     return out
+
+
+class FrameStream(io.RawIOBase):
+    """The decoded bytes of one zstd frame (`stream.zstd/1`), read forward as
+    `torchsave.read_into` walks a record, so the payload lands in its tensor without a
+    buffer of the whole record. The first `_KEPT_HEAD` bytes are kept, so the walk may seek
+    back into them; any other step back is refused (the walk then gives up and the caller
+    decodes the item whole). `finish` reads to the frame's end, which checks its checksum."""
+
+    def __init__(self, frame: bytes, size: int, source: str) -> None:
+        super().__init__()
+        self.size, self._source = size, source
+        self._reader = zstandard.ZstdDecompressor().stream_reader(frame,
+                                                                  read_across_frames=False)
+        self._head = bytearray()
+        self._pos = self._decoded = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        pos += {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
+        if pos < len(self._head) or pos == self._decoded:
+            self._pos = pos
+        elif pos > self._decoded:
+            self._pos = self._decoded
+            while self._pos < pos and self.read(min(pos - self._pos, 1 << 20)):
+                pass
+        else:
+            raise io.UnsupportedOperation("a zstd frame is read forward")
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if self._pos < len(self._head):
+            got = min(len(view), len(self._head) - self._pos)
+            view[:got] = self._head[self._pos:self._pos + got]
+            self._pos += got
+            return got
+        if self._pos != self._decoded:
+            raise io.UnsupportedOperation("a zstd frame is read forward")
+        view, got = view[:self.size - self._pos], 0
+        while got < len(view):
+            more = self._pull(view[got:])
+            if not more:
+                break
+            got += more
+        if self._decoded < _KEPT_HEAD:
+            self._head += view[:min(got, _KEPT_HEAD - self._decoded)]
+        self._decoded += got
+        self._pos += got
+        return got
+
+    def _pull(self, view: memoryview) -> int:
+        try:
+            return self._reader.readinto(view) or 0
+        except zstandard.ZstdError as exc:
+            raise CorruptCheckpointError(f"{self._source}: a compressed item cannot be "
+                                         f"decoded ({exc}); the file is damaged") from None
+
+    def finish(self) -> None:
+        """Read to the frame's end, which checks its checksum: it must end at its size."""
+        self.seek(self.size)
+        if self._pos != self.size or self._pull(memoryview(bytearray(1))):
+            raise CorruptCheckpointError(f"{self._source}: a compressed item does not decode "
+                                         f"to the {self.size} bytes its frame declares")
+
+
+def frame_stream(frame: bytes, bound: int, source: str) -> FrameStream | None:
+    """A `FrameStream` over a frame that declares its size (statereg's and DCP's do), at
+    most `bound`; None otherwise (the caller decodes it whole, with `decode`)."""
+    try:
+        size = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError:
+        return None
+    return FrameStream(frame, size, source) if 0 <= size <= bound else None
 
 
 def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearray:

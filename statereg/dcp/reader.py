@@ -198,15 +198,13 @@ class BackendReader(FileSystemReader):
         if expected is not None:
             _check_item(where, expected, xxhash.xxh3_64_intdigest(blob))
         if info.transform_descriptors:
-            if resolved is not None and resolved[1] is not None:
-                target, view = resolved
-                if codec.decode_into(info.transform_descriptors, blob, view, where,
-                                     lambda prefix, suffix: torchsave.frames(prefix, suffix,
-                                                                             target)):
-                    planner.commit_tensor(req, target)
-                    return
-            blob = codec.decode(info.transform_descriptors, blob,
-                                self.decoded_bound(req.storage_index), where)
+            bound = self.decoded_bound(req.storage_index)
+            if (resolved is not None and resolved[1] is not None
+                    and _decode_in_place(info.transform_descriptors, blob, bound, where,
+                                         *resolved)):
+                planner.commit_tensor(req, resolved[0])
+                return
+            blob = codec.decode(info.transform_descriptors, blob, bound, where)
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(blob))
             return
@@ -373,3 +371,19 @@ def _set_element(root: dict[str, Any], path: Sequence[str | int], value: Any) ->
     if isinstance(last, int):
         container.extend([None] * (last + 1 - len(container)))
     container[last] = value
+
+
+def _decode_in_place(descriptors: Sequence[str], blob: bytes, bound: int, where: str,
+                     target: torch.Tensor, view: memoryview) -> bool:
+    """Decode a compressed tensor item straight into `target` (`view`: its bytes), without
+    a buffer of the whole record; False where the item is not the plain case (`target` may
+    then hold part of it: the caller decodes it whole and overwrites)."""
+    if tuple(descriptors) == (codec.ZSTD_DESCRIPTOR,):
+        stream = codec.frame_stream(blob, bound, where)
+        if stream is None or not torchsave.read_into(stream, 0, stream.size, target,
+                                                     view=view):
+            return False
+        stream.finish()
+        return True
+    return codec.decode_into(descriptors, blob, view, where,
+                             lambda prefix, suffix: torchsave.frames(prefix, suffix, target))

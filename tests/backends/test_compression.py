@@ -357,6 +357,63 @@ def test_a_compressed_load_decodes_float_tensors_in_place(tmp_path, monkeypatch)
     assert_same_state(model, opt, other, other_opt)
     assert whole_decodes == []
 
+def test_a_zstd_load_decodes_tensors_in_place(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 33).half())
+    spec = {"storage": {"url": str(tmp_path / "ck"),
+                        "compression": {"codec": "zstd", "float_aware": False}},
+            "components": {"model": {"kind": "model"}}}
+    url = statereg.CheckpointManager(spec, model=model).save(step=1)
+    whole: list[str] = []
+    decode = codec.decode
+    monkeypatch.setattr(codec, "decode", lambda descriptors, blob, bound, source: (
+        whole.append(source), decode(descriptors, blob, bound, source))[1])
+
+    other = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 33).half())
+    statereg.CheckpointManager(spec, model=other).load(url)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 other.state_dict().values(), strict=True))
+    assert whole == []  # every item was a tensor: each went from the frame into its tensor
+
+
+def frame_of(tensor: torch.Tensor, content_size: bool = True) -> bytes:
+    record = io.BytesIO()
+    torch.save(tensor, record)
+    return zstandard.ZstdCompressor(write_checksum=True, write_content_size=content_size
+                                    ).compress(record.getvalue())
+
+
+def test_a_zstd_frame_streams_into_its_tensor_and_checks_its_end():
+    tensor = torch.randn(300, 300, generator=torch.Generator().manual_seed(4))
+    frame = frame_of(tensor)
+    target = torch.zeros_like(tensor)
+    stream = codec.frame_stream(frame, 1 << 30, "item")
+    assert stream is not None and torchsave.read_into(stream, 0, stream.size, target)
+    stream.finish()
+    assert torch.equal(target, tensor)
+
+    damaged = bytearray(frame)
+    damaged[len(damaged) // 2] ^= 0x01
+    stream = codec.frame_stream(bytes(damaged), 1 << 30, "model/weight")
+    with pytest.raises(statereg.CorruptCheckpointError, match="model/weight: a compressed item"):
+        torchsave.read_into(stream, 0, stream.size, torch.zeros_like(tensor))
+        stream.finish()
+
+
+def test_a_zstd_frame_without_a_size_or_over_its_bound_is_decoded_whole():
+    tensor = torch.randn(1000)
+    assert codec.frame_stream(frame_of(tensor, content_size=False), 1 << 30, "item") is None
+    assert codec.frame_stream(frame_of(tensor), 1000, "item") is None  # 4000 B > the bound
+    assert codec.frame_stream(b"not a frame", 1 << 30, "item") is None
+
+
+def test_a_zstd_frame_stream_reads_forward_only_past_its_head():
+    stream = codec.frame_stream(frame_of(torch.randn(1 << 16)), 1 << 30, "item")
+    assert stream.read(100) and stream.seek(10) == 10 and len(stream.read(5)) == 5
+    stream.seek(200_000)  # forward: decoded and dropped
+    with pytest.raises(io.UnsupportedOperation):
+        stream.seek(150_000)
+
 def test_a_planes_header_cannot_claim_more_than_the_item():
     raw = memoryview(torch.randn(1000).numpy().view("uint8"))
     blob = encoded(codec.encode_planes, raw, 4, True, codec.CompressionSettings())
