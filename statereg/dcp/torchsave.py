@@ -200,6 +200,9 @@ def _walk_head(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple
         pos = _skip_descriptor(head, start + size, size) if flags & 8 else start + size
 
 
+# What a walk of a record's head raises where the record is not the plain case.
+_WALK_ERRORS = (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
+                IndexError, struct.error, UnicodeDecodeError)
 # Per (dtype, shape): the bytes before the payload of the last record walked, and its
 # (start, size). _walk_head reads nothing past the payload's start, so a record whose first
 # `start` bytes are the same has the same answer: the records of one layout (torch.save
@@ -234,8 +237,7 @@ def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
             start, nbytes = _walked(head, dtype, shape)
             if start + nbytes + _DESCRIPTOR.size <= length:
                 return offset + start, True, head
-        except (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
-                IndexError, struct.error, UnicodeDecodeError):
+        except _WALK_ERRORS:
             pass
     window = RecordWindow(stream, offset, length)
     try:  # the zip's central directory, at the record's end: any layout torch may write
@@ -268,10 +270,10 @@ def frames(prefix: bytes, suffix: bytes, target: torch.Tensor) -> bool:
         if start != len(prefix) or nbytes != target.nbytes:
             return False
         _skip_descriptor(suffix[:_DESCRIPTOR64.size] + bytes(_DESCRIPTOR64.size), 0, nbytes)
-    except (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
-            IndexError, struct.error, UnicodeDecodeError):
+    except _WALK_ERRORS:
         return False
     return True
+
 
 def _member_start(window: RecordWindow, info: zipfile.ZipInfo) -> int:
     header = _LOCAL_HEADER.unpack(_read_exact(window, info.header_offset, _LOCAL_HEADER.size))

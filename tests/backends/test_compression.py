@@ -392,12 +392,14 @@ def test_a_zstd_frame_streams_into_its_tensor_and_checks_its_end():
     stream.finish()
     assert torch.equal(target, tensor)
 
-    damaged = bytearray(frame)
-    damaged[len(damaged) // 2] ^= 0x01
-    stream = codec.frame_stream(bytes(damaged), 1 << 30, "model/weight")
-    with pytest.raises(statereg.CorruptCheckpointError, match="model/weight: a compressed item"):
-        torchsave.read_into(stream, 0, stream.size, torch.zeros_like(tensor))
-        stream.finish()
+    for at in (len(frame) // 2, len(frame) - 1):  # a block; the checksum at the frame's end
+        damaged = bytearray(frame)
+        damaged[at] ^= 0x01
+        stream = codec.frame_stream(bytes(damaged), 1 << 30, "model/weight")
+        with pytest.raises(statereg.CorruptCheckpointError,
+                           match="model/weight: a compressed item"):
+            torchsave.read_into(stream, 0, stream.size, torch.zeros_like(tensor))
+            stream.finish()
 
 
 def test_a_zstd_frame_without_a_size_or_over_its_bound_is_decoded_whole():
