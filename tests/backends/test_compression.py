@@ -409,6 +409,21 @@ def test_a_zstd_frame_without_a_size_or_over_its_bound_is_decoded_whole():
     assert codec.frame_stream(b"not a frame", 1 << 30, "item") is None
 
 
+
+@pytest.mark.parametrize("lie", [-1, 1])
+def test_a_zstd_frame_that_misstates_its_size_is_refused(lie):
+    tensor = torch.randn(100, 100)
+    frame = bytearray(frame_of(tensor))
+    descriptor = frame[4]  # after the magic: the frame header descriptor
+    assert descriptor & 0x20 and descriptor >> 6 == 1  # one segment, a 2-byte size - 256
+    declared = int.from_bytes(frame[5:7], "little") + lie
+    frame[5:7] = declared.to_bytes(2, "little")
+    stream = codec.frame_stream(bytes(frame), 1 << 30, "model/weight")
+    assert stream is not None and stream.size == declared + 256
+    with pytest.raises(statereg.CorruptCheckpointError, match="model/weight: a compressed item"):
+        torchsave.read_into(stream, 0, stream.size, torch.zeros_like(tensor))
+        stream.finish()
+
 def test_a_zstd_frame_stream_reads_forward_only_past_its_head():
     stream = codec.frame_stream(frame_of(torch.randn(1 << 16)), 1 << 30, "item")
     assert stream.read(100) and stream.seek(10) == 10 and len(stream.read(5)) == 5
