@@ -276,7 +276,6 @@ def test_a_decompression_bomb_stops_at_the_item_size(tmp_path, content_size):
         load_one_tensor(url)
 
 
-
 def planes_record(tensor: torch.Tensor) -> bytes:
     """`tensor`'s torch.save record, float-aware encoded as the writer encodes an item."""
     record = io.BytesIO()
@@ -357,6 +356,7 @@ def test_a_compressed_load_decodes_float_tensors_in_place(tmp_path, monkeypatch)
     assert_same_state(model, opt, other, other_opt)
     assert whole_decodes == []
 
+
 def test_a_zstd_load_decodes_tensors_in_place(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 33).half())
@@ -409,7 +409,6 @@ def test_a_zstd_frame_without_a_size_or_over_its_bound_is_decoded_whole():
     assert codec.frame_stream(b"not a frame", 1 << 30, "item") is None
 
 
-
 @pytest.mark.parametrize("lie", [-1, 1])
 def test_a_zstd_frame_that_misstates_its_size_is_refused(lie):
     tensor = torch.randn(100, 100)
@@ -424,12 +423,14 @@ def test_a_zstd_frame_that_misstates_its_size_is_refused(lie):
         torchsave.read_into(stream, 0, stream.size, torch.zeros_like(tensor))
         stream.finish()
 
+
 def test_a_zstd_frame_stream_reads_forward_only_past_its_head():
     stream = codec.frame_stream(frame_of(torch.randn(1 << 16)), 1 << 30, "item")
     assert stream.read(100) and stream.seek(10) == 10 and len(stream.read(5)) == 5
     stream.seek(200_000)  # forward: decoded and dropped
     with pytest.raises(io.UnsupportedOperation):
         stream.seek(150_000)
+
 
 def test_a_planes_header_cannot_claim_more_than_the_item():
     raw = memoryview(torch.randn(1000).numpy().view("uint8"))
