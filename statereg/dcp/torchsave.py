@@ -260,7 +260,6 @@ def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
         return None
 
 
-
 def frames(prefix: bytes, suffix: bytes, target: torch.Tensor) -> bool:
     """Whether `prefix`, then `target`'s bytes, then `suffix` is the plain record of `target`
     (its dtype and shape), with the payload exactly between the two: a decoder can then
