@@ -12,6 +12,7 @@ are referenced, not written; `.metadata` is written in place, with every item's 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import itertools
@@ -94,36 +95,41 @@ class BackendWriter(FileSystemWriter):
         DCP's version runs extra writer threads whose exceptions are printed and lost, and then
         commits metadata without their files, and it makes a file per thread even for a thread
         with no items (on an object store, a request and a manifest entry each).
+
+        Each thread writes one file. Uncompressed, each file's items are fixed first (DCP's
+        split: equal bytes, so equal time); compressed, every thread takes the next item, the
+        largest first, when it is done with one: encoding speed varies by item, and with fixed
+        items one thread was left encoding alone for a fifth of an fp32 save
+        (docs/performance.md, "Compressed saves: every writer busy to the end").
         """
         prefix = plan.storage_data
-        pending: queue.Queue = queue.Queue()
         results: queue.Queue = queue.Queue()
         errors: list[BaseException] = []
         items = plan.items
         if self.reuse is not None:
             reused, items = self._reference_unchanged(planner, items)
             results.put(reused)
-        for number, bucket in enumerate(b for b in _split_into_files(self.thread_count, items)
-                                        if b):
-            name = f"{prefix}{number}.distcp"
-            pending.put((self.fs.concat_path(self.path, name), name, bucket))
+        buckets = [b for b in _split_into_files(self.thread_count, items) if b]
+        if self.compressor is not None and len(buckets) > 1:
+            shared = collections.deque(_in_file_order(items))
+            sources = [shared] * len(buckets)
+        else:
+            sources = [collections.deque(bucket) for bucket in buckets]
 
-        def drain_queue() -> None:
+        def drain(number: int) -> None:
             try:
-                while True:
-                    try:
-                        file_name, storage_key, bucket = pending.get_nowait()
-                    except queue.Empty:
-                        return
-                    results.put(self._write_file(planner, file_name, storage_key, bucket))
+                name = f"{prefix}{number}.distcp"
+                results.put(self._write_file(planner, self.fs.concat_path(self.path, name),
+                                             name, sources[number]))
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=drain_queue, name=f"statereg-write-{i}")
-                   for i in range(1, min(self.thread_count, pending.qsize()))]
+        threads = [threading.Thread(target=drain, args=(number,), name=f"statereg-write-{number}")
+                   for number in range(1, len(sources))]
         for thread in threads:
             thread.start()
-        drain_queue()
+        if sources:
+            drain(0)
         for thread in threads:
             thread.join()
         if errors:
@@ -161,17 +167,20 @@ class BackendWriter(FileSystemWriter):
         return results, kept
 
     def _write_file(self, planner: SavePlanner, file_name: str, storage_key: str,
-                    items: list[WriteItem]) -> list[WriteResult]:
-        """One DCP file: what DCP's writer does; each tensor item is one torch.save record.
+                    source: collections.deque[WriteItem]) -> list[WriteResult]:
+        """One DCP file of the items taken from `source` until it is empty (none: no file, so
+        a writer that found the shared items taken leaves a gap in the numbers); what DCP's
+        writer does, each tensor item one torch.save record.
 
         Each result's storage data is (DCP's StorageInfo, the item's xxh3_64); `finish`
         splits them into `.metadata`'s storage_data and ITEM_CHECKSUMS.
         """
-        results = []
-        ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
-                   + [i for i in items if i.type != WriteItemType.BYTE_IO])
+        results: list[WriteResult] = []
+        item = _take(source)
+        if item is None:
+            return results
         with self.fs.create_stream(file_name, "wb") as file_stream:
-            for item in ordered:
+            while item is not None:
                 data = planner.resolve_data(item)
                 offset = file_stream.tell()
                 stream = HashingTee(file_stream)
@@ -194,6 +203,7 @@ class BackendWriter(FileSystemWriter):
                     storage_data=(storage_info(storage_key, offset, length,
                                                shared_descriptors(descriptors)),
                                   stream.hasher.intdigest())))
+                item = _take(source)
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -238,21 +248,36 @@ def _item_size(item: WriteItem) -> int:
     return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
 
 
+def _in_file_order(items: list[WriteItem]) -> list[WriteItem]:
+    """Objects first, then tensors, largest first: the order items go into files."""
+    return ([i for i in items if i.type == WriteItemType.BYTE_IO]
+            + sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_item_size,
+                     reverse=True))
+
+
 def _split_into_files(count: int, items: list[WriteItem]) -> list[list[WriteItem]]:
     """DCP's split of one rank's items into `count` files: objects round-robin, then tensors,
     largest first, each into the file with the fewest bytes so far."""
     buckets: list[list[WriteItem]] = [[] for _ in range(count)]
     sizes = [0] * count
-    objects = [i for i in items if i.type == WriteItemType.BYTE_IO]
-    tensors = sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_item_size,
-                     reverse=True)
-    for number, item in enumerate(objects):
-        buckets[number % count].append(item)
-    for item in tensors:
+    objects = 0
+    for item in _in_file_order(items):
+        if item.type == WriteItemType.BYTE_IO:
+            buckets[objects % count].append(item)
+            objects += 1
+            continue
         smallest = sizes.index(min(sizes))
         buckets[smallest].append(item)
         sizes[smallest] += _item_size(item)
     return buckets
+
+
+def _take(source: collections.deque[WriteItem]) -> WriteItem | None:
+    """The next item of `source`, or None once it is empty (threads may share it)."""
+    try:
+        return source.popleft()
+    except IndexError:
+        return None
 
 
 class CompressingTransforms:

@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -326,6 +327,45 @@ def test_a_damaged_planes_item_decoded_in_place_names_the_item():
                        match=r"model/weight: float-aware item is damaged \(its digest"):
         codec.decode_into([codec.PLANES_DESCRIPTOR], bytes(blob), torchsave.byte_view(target),
                           "model/weight", lambda p, s: torchsave.frames(p, s, target))
+
+
+def test_a_slow_item_holds_up_only_its_own_compressing_writer(tmp_path, monkeypatch):
+    """Compressing writers take the next item as they finish one, so the writer beside a slow
+    item takes every item left. With each file's items fixed first (equal bytes), the slow
+    item's file would also hold items queued behind it, and the save would end with one
+    writer encoding alone."""
+    big = 1 << 20  # floats: 4 MiB, less than the ten small items together (5 MiB)
+    model = nn.ParameterDict({"big": nn.Parameter(torch.randn(big)),
+                              **{f"small{i}": nn.Parameter(torch.randn(big // 8))
+                                 for i in range(10)}})
+    smalls_done = []
+    all_small_done = threading.Event()
+    encode_planes = codec.encode_planes
+
+    def encode(body: memoryview, *args: object, **kwargs: object) -> None:
+        if len(body) == 4 * big:
+            all_small_done.wait(timeout=10)  # bounded: a fixed split never sets it
+        encode_planes(body, *args, **kwargs)
+        if len(body) != 4 * big:
+            smalls_done.append(len(body))
+            if len(smalls_done) == 10:
+                all_small_done.set()
+
+    monkeypatch.setattr(codec, "encode_planes", encode)
+    spec = {"storage": {"url": str(tmp_path / "ck"), "compression": "zstd", "io_threads": 2},
+            "components": {"model": {"kind": "model"}}}
+    url = statereg.CheckpointManager(spec, model=model).save(step=1)
+
+    metadata = next(Path(url).rglob(".metadata"))
+    files: dict[str, list[str]] = {}
+    for index, info in load_dcp_metadata(metadata.read_bytes(), str(metadata)).storage_data.items():
+        files.setdefault(info.relative_path, []).append(index.fqn)
+    assert sorted(files) == ["__0_0.distcp", "__0_1.distcp"]
+    assert sorted(map(sorted, files.values())) == [["big"], sorted(f"small{i}" for i in range(10))]
+    other = nn.ParameterDict({name: nn.Parameter(torch.zeros_like(p)) for name, p in model.items()})
+    statereg.CheckpointManager(spec, model=other).load(url)
+    for name, param in model.items():
+        assert torch.equal(param, other[name]), name
 
 
 def test_a_compressed_load_decodes_float_tensors_in_place(tmp_path, monkeypatch):
