@@ -402,9 +402,13 @@ def test_field_quick_measures_the_in_process_contenders_and_reports_peers_not_in
     assert targets[0]["value"] == round(warm, 3) and targets[0]["bar"] == 1.0
 
     # The floors under the loads, on statereg's own files in the same repetition.
-    assert set(result["floors"]) == {"cold_direct", "warm_copy", "warm_copy_hash"}
+    assert set(result["floors"]) == {"cold_direct", "cold_buffered", "warm_copy", "warm_copy_hash"}
     assert all(row["median_s"] > 0 for row in result["floors"].values())
     assert [b["value"] is not None for b in result["bounds"]] == [True] * 4
+    # A cold load is held to the faster of the two raw reads of the same files.
+    raw = min((result["floors"]["cold_direct"]["median_s"], "O_DIRECT"),
+              (result["floors"]["cold_buffered"]["median_s"], "buffered"))
+    assert result["bounds"][1]["target"].endswith(f"faster raw read ({raw[1]})")
 
     table = (out / "field.md").read_text()
     assert "| statereg | sync save (durable) | " in table
