@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import contextvars
 import errno
 import hashlib
 import importlib.util
@@ -36,6 +37,13 @@ from statereg.backends.checksum import (
 )
 from statereg.errors import SpecError, StorageError
 
+# Set while a caller opens a file it will not read back soon (compressed data: its load is
+# bound by decoding, not reading): a store with a page cache may write it around the cache
+# (local disk: `storage.read_cache`, docs/performance.md "Compressed saves around the page
+# cache"). A context variable, not an argument, so that wrappers of `open_write` (fault
+# injection, gates) keep working unchanged.
+WRITE_AROUND_CACHE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "statereg_write_around_cache", default=False)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # Operations where "not found" is an answer, not a failure.
 _LOOKUPS = frozenset({"read", "open", "check", "stat", "list"})

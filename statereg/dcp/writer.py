@@ -73,7 +73,9 @@ class BackendWriter(FileSystemWriter):
         # sync_files=False: our streams are made durable by the backend before they are
         # reported (DCP's own fsync falls back to a machine-wide os.sync() on remote streams).
         super().__init__(path, sync_files=False, thread_count=thread_count, overwrite=False)
-        self.fs = BackendFileSystem(backend, recorder)
+        # Compressed files go around the page cache where the store has one: their load is
+        # bound by decoding, and their save by the CPU the cache's copy would take.
+        self.fs = BackendFileSystem(backend, recorder, cached=compression is None)
         self.path = path
         # zip CRC-32s in tensor records (records.py): left out only where the store does not
         # want them and the records are stored as they are (a drain then adds them: a

@@ -9,19 +9,26 @@ faults nothing in; disk reads are counted by /proc/self/io's read_bytes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import statereg
-from statereg.backends import open_backend
+from statereg.backends import local, open_backend
+from statereg.backends.base import WRITE_AROUND_CACHE
+from statereg.backends.checksum import WrittenFile, checksum_of, new_hasher
 from statereg.backends.local import _in_memory, keeps_pages
+from statereg.errors import StorageError
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
@@ -278,3 +285,100 @@ def test_a_file_nearly_all_cached_is_read_from_the_cache_without_read_ahead(root
         stored = sum(path.stat().st_size for path in files)
         assert read <= stored // 50, f"{policy}: read {read} of {stored} bytes from disk"
     assert started == []
+
+
+@pytest.mark.parametrize("policy", ["auto", "bypass", "keep"])
+def test_compressed_data_files_are_written_around_the_cache_unless_kept(root, policy):
+    """A compressed save writes its data files with O_DIRECT (their load is bound by
+    decoding, their save by the CPU the cache's copy takes), except under `keep`; a load reads
+    them back bit for bit, and under `auto` it leaves them cached for the next load."""
+    saved = Run(seed=0)
+    expected = saved.state()
+    manager(root, saved, read_cache=policy, compression="zstd").save(step=1)
+    files = data_files(root)
+    cached = [resident(path) for path in files]
+    if policy == "keep":
+        assert all(count == pages for count, pages in cached), cached
+    else:
+        assert [count for count, _ in cached] == [0] * len(files), cached
+
+    run = Run(seed=1)
+    manager(root, run, read_cache=policy, compression="zstd").load()
+    assert_loaded(run, expected)
+    if policy == "auto":
+        assert all(count == pages for count, pages in map(resident, files))
+
+
+@contextlib.contextmanager
+def around_cache() -> Iterator[None]:
+    token = WRITE_AROUND_CACHE.set(True)
+    try:
+        yield
+    finally:
+        WRITE_AROUND_CACHE.reset(token)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, local._DIRECT_WRITE_CHUNK - 1,
+                                  local._DIRECT_WRITE_CHUNK, 3 * local._DIRECT_WRITE_CHUNK + 123])
+def test_a_file_written_around_the_cache_holds_exactly_its_bytes(root, size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    cuts = sorted(np.random.default_rng(size + 1).integers(0, size + 1, 7).tolist())
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, size], strict=True)]
+    reported: list[WrittenFile] = []
+    backend = open_backend(str(root))
+    with around_cache():
+        writer = backend.open_write("f.distcp", reported.append)
+    for piece in pieces:
+        writer.write(piece)
+    writer.close()
+    path = root / "f.distcp"
+    assert path.read_bytes() == data
+    hasher = new_hasher()
+    hasher.update(data)
+    assert reported == [WrittenFile("f.distcp", size, checksum_of(hasher))]
+
+
+def test_a_filesystem_that_refuses_a_direct_write_gets_it_buffered(root, monkeypatch):
+    """EINVAL from an O_DIRECT write (a filesystem that accepted the flag, then refuses the
+    write) turns O_DIRECT off for the rest of the file: every byte still lands."""
+    refused: list[int] = []
+    pwrite = os.pwrite
+
+    def picky(fd: int, data: object, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(local.os, "pwrite", picky)
+    data = os.urandom(2 * local._DIRECT_WRITE_CHUNK + 5)
+    backend = open_backend(str(root))
+    with around_cache():
+        writer = backend.open_write("f.distcp")
+    writer.write(data)
+    writer.close()
+    assert (root / "f.distcp").read_bytes() == data
+    assert refused == [0]
+
+
+def test_a_failed_direct_write_is_a_storage_error_naming_the_file(root, monkeypatch):
+    """A write that fails on the writing thread (a full disk) is raised on the caller's, as
+    the backend's StorageError naming the file, and a save that meets it commits nothing."""
+    pwrite = os.pwrite
+
+    def full(fd: int, data: object, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return pwrite(fd, data, offset)
+
+    saved = Run(seed=0)
+    mgr = manager(root, saved, compression={"codec": "zstd", "float_aware": False})
+    first = mgr.save(step=1)
+    monkeypatch.setattr(local.os, "pwrite", full)
+    with pytest.raises(StorageError, match=r"write failed for .*\.distcp.*No space left"):
+        mgr.save(step=2)
+    monkeypatch.undo()
+    assert not (root / "step_00000002" / "manifest.json").exists()
+    run = Run(seed=1)
+    assert manager(root, run).load().path == first
+    assert_loaded(run, saved.state())
