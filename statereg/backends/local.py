@@ -68,13 +68,11 @@ _DIRECT_ALIGN = 4096
 ReadCache = Literal["auto", "keep", "bypass"]
 READ_CACHE_MODES: tuple[ReadCache, ...] = ("auto", "keep", "bypass")
 _FITS_SHARE = 0.5
-# A cold file read through the page cache is asked for in pieces of this size ahead of the
-# reader (`_ReadAhead`).
-_READ_AHEAD_STEP = 8 * 1024 * 1024
-# A file with this share of its runs in the page cache is read from it, without read-ahead:
-# the kernel's proactive reclaim (DAMON here) drops a few idle pages of a file read moments
-# ago (10 of 58,304 within 2 s), and a miss costs one small read, where treating the file as
-# cold started a read-ahead thread over all of it (a warm 1.4 GB load took 0.50 s, not 0.36).
+# A file with this share of its runs in the page cache is read from it, as a warm file: the
+# kernel's proactive reclaim (DAMON here) drops a few idle pages of a file read moments ago
+# (10 of 58,304 within 2 s), and a miss costs one small read, where treating the file as cold
+# read it with O_DIRECT or started a read-ahead over all of it (a warm 1.4 GB load took 0.50 s,
+# not 0.36).
 _MOSTLY_CACHED = 0.98
 # A file written around the page cache (`WRITE_AROUND_CACHE`: compressed data) goes to disk
 # with O_DIRECT from page-aligned buffers of this size, this many written at once per file
@@ -531,38 +529,6 @@ def _mostly_whole_chunks(ranges: Sequence[tuple[int, int]], size: int | None) ->
     return 2 * sum(end - start for start, end in ranges) >= total
 
 
-class _ReadAhead:
-    """Asks the kernel, from a thread, to read a cold file's runs into the page cache ahead
-    of the reader (posix_fadvise(WILLNEED) in `_READ_AHEAD_STEP` pieces): the disk's queue
-    stays full, as O_DIRECT's reads in flight keep it, where the page cache's own readahead
-    asks for one window at a time (measured in docs/performance.md, "The page cache"). Only
-    for runs the policy keeps cached, so everything it reads is wanted and fits."""
-
-    def __init__(self, fd: int, ranges: Sequence[tuple[int, int]]) -> None:
-        self._fd = fd
-        self._ranges = ranges
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="statereg-readahead",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        for start, end in self._ranges:
-            for at in range(start, end, _READ_AHEAD_STEP):
-                if self._stopped.is_set():
-                    return
-                try:
-                    os.posix_fadvise(self._fd, at, min(_READ_AHEAD_STEP, end - at),
-                                     os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    return  # no readahead here: the reads fetch what they need
-
-    def stop(self) -> None:
-        """Stop asking, and wait until no call is in flight (the descriptor closes next)."""
-        self._stopped.set()
-        self._thread.join()
-
-
 class _DirectReads(PositionedReads):
     """Runs of a local file, read with O_DIRECT in page-aligned chunks, several ahead.
 
@@ -953,15 +919,17 @@ class LocalBackend(StorageBackend):
         fd = self._open_contained("open", path)
         cached = _cached_share(fd, sorted(ranges)) >= _MOSTLY_CACHED
         if keep or cached or not _set_direct(fd, True):
+            if keep and not cached:
+                # A cold file read front to back (the readers never seek back: torchsave.py):
+                # the kernel's readahead keeps the disk busy, with twice its window. A thread
+                # asking for the runs ahead (WILLNEED) read this disk at half the rate
+                # (docs/performance.md, "Cold loads read front to back").
+                with contextlib.suppress(OSError, AttributeError):  # AttributeError: macOS
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             with self._storage_op("open", path):
                 stream: Any = open(fd, "rb")  # noqa: SIM115 - closed below
-            ahead = _ReadAhead(fd, sorted(ranges)) if keep and not cached else None
-            try:
-                with stream:
-                    yield stream
-            finally:
-                if ahead is not None:
-                    ahead.stop()
+            with stream:
+                yield stream
             return
         with _DirectReads(self, path, fd, ranges) as stream:
             yield stream

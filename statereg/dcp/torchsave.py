@@ -361,11 +361,19 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
             if hasher is not None:
                 hasher.update(data)
         else:
-            stream.seek(start)
+            # The payload's first bytes are in the head: copied from it, and the reads go on
+            # from the head's end. Seeking back to the payload instead made every record's
+            # reads go backwards once, which resets the kernel's readahead of the file (a cold
+            # load then read the disk at half its rate without a readahead thread).
+            ahead = max(0, min(len(head) - lead, nbytes))
+            data[:ahead] = head[lead:lead + ahead]
+            if hasher is not None:
+                hasher.update(data[:ahead])
+            stream.seek(start + ahead)
             # With a hasher, read in slices and hash each while it is still in the CPU's
             # cache: hashing the whole tensor afterwards would read it from memory again.
             step = _HASH_SLICE if hasher is not None else len(data)
-            for at in range(0, len(data), step):
+            for at in range(ahead, len(data), step):
                 _read_exactly(stream, data[at:at + step])
                 if hasher is not None:
                     hasher.update(data[at:at + step])

@@ -13,10 +13,12 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -249,12 +251,10 @@ def test_residency_is_asked_without_reading_the_file(root, monkeypatch, ask):
         os.close(fd)
 
 
-def test_a_file_nearly_all_cached_is_read_from_the_cache_without_read_ahead(root, monkeypatch):
+def test_a_file_nearly_all_cached_is_read_from_the_cache(root):
     """The kernel's proactive reclaim drops a few idle pages of a file read a moment ago: a
-    load that finds nearly all of a file cached reads it through the cache, without starting
-    a read-ahead over all of it, under every policy (O_DIRECT would read it all again)."""
-    from statereg.backends import local
-
+    load that finds nearly all of a file cached reads it through the cache under every
+    policy (O_DIRECT would read it all again)."""
     saved = Run(seed=0)
     expected = saved.state()
     manager(root, saved).save(step=1)
@@ -268,14 +268,6 @@ def test_a_file_nearly_all_cached_is_read_from_the_cache_without_read_ahead(root
             os.close(fd)
         cached, pages = resident(path)
         assert pages - 2 <= cached < pages
-    started: list[int] = []
-    real = local._ReadAhead.__init__
-
-    def read_ahead(self, fd, ranges):
-        started.append(fd)
-        real(self, fd, ranges)
-
-    monkeypatch.setattr(local._ReadAhead, "__init__", read_ahead)
     for policy in ("auto", "bypass"):
         run = Run(seed=1)
         before = disk_reads()
@@ -284,7 +276,6 @@ def test_a_file_nearly_all_cached_is_read_from_the_cache_without_read_ahead(root
         read = disk_reads() - before
         stored = sum(path.stat().st_size for path in files)
         assert read <= stored // 50, f"{policy}: read {read} of {stored} bytes from disk"
-    assert started == []
 
 
 @pytest.mark.parametrize("policy", ["auto", "bypass", "keep"])
@@ -382,3 +373,53 @@ def test_a_failed_direct_write_is_a_storage_error_naming_the_file(root, monkeypa
     run = Run(seed=1)
     assert manager(root, run).load().path == first
     assert_loaded(run, saved.state())
+
+
+class Reads:
+    """A stream that records where each read starts and ends."""
+
+    def __init__(self, stream: Any, spans: list[tuple[int, int]]) -> None:
+        self._stream, self._spans = stream, spans
+
+    def read(self, size: int = -1) -> bytes:
+        start = self._stream.tell()
+        data = self._stream.read(size)
+        self._spans.append((start, start + len(data)))
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        start = self._stream.tell()
+        count = self._stream.readinto(buffer)
+        self._spans.append((start, start + count))
+        return count
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def test_a_cold_load_reads_each_data_file_front_to_back(root, monkeypatch):
+    """The kernel's readahead keeps a cold file's reads ahead only while they go forward: a
+    read that starts before the last one ended (a record's payload read again from its
+    start after its head) resets it, and a cold load read this disk at half its rate."""
+    saved = Run(seed=0)
+    expected = saved.state()
+    manager(root, saved).save(step=1)
+    files = data_files(root)
+    evict(files)
+    spans: dict[str, list[tuple[int, int]]] = {}
+    open_ranges = local.LocalBackend.open_ranges
+
+    @contextlib.contextmanager
+    def recorded(self: Any, path: str, ranges: Any, size: Any = None) -> Iterator[Any]:
+        with open_ranges(self, path, ranges, size) as stream:
+            yield Reads(stream, spans.setdefault(path, []))
+
+    monkeypatch.setattr(local.LocalBackend, "open_ranges", recorded)
+    run = Run(seed=1)
+    manager(root, run).load()
+    assert_loaded(run, expected)
+    assert sorted(p.rsplit("/", 2)[-2:] for p in spans) == sorted(
+        [f.parent.name, f.name] for f in files)
+    for path, reads in spans.items():
+        backwards = [(a, b) for a, b in itertools.pairwise(reads) if b[0] < a[1]]
+        assert not backwards, f"{path}: reads went back: {backwards[:3]}"
