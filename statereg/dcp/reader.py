@@ -316,7 +316,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         # DCP swaps in other keys for a checkpoint from before torch 2.4: not kept.
         if self.plan_key is not None and self.state_dict is planned_for:
             if len(_load_plans) >= _LOAD_PLANS_KEPT:
-                _load_plans.clear()
+                _load_plans.pop(next(iter(_load_plans)), None)  # the oldest goes
             _load_plans[self.plan_key] = plan
         return plan
 

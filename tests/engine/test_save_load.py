@@ -138,6 +138,9 @@ def test_a_load_plan_is_made_once_per_checkpoint_and_targets(make_spec, make_mod
     # another checkpoint, or targets of other shapes, are planned afresh.
     from torch.distributed.checkpoint import default_planner
 
+    from statereg.dcp import reader
+
+    monkeypatch.setattr(reader, "_load_plans", {})  # none kept from other tests' loads
     plans = []
     plan = default_planner.create_default_local_load_plan
     monkeypatch.setattr(default_planner, "create_default_local_load_plan",
@@ -161,6 +164,21 @@ def test_a_load_plan_is_made_once_per_checkpoint_and_targets(make_spec, make_mod
     model.fc1 = nn.Linear(model.fc1.in_features, model.fc1.out_features + 1)
     with pytest.raises(statereg.CheckpointMismatchError, match=r"fc1\.weight"):
         statereg.CheckpointManager(spec, model=model).load(step=2)
+
+
+def test_kept_load_plans_make_room_by_dropping_the_oldest(make_spec, make_model, monkeypatch):
+    # A full store of plans drops its oldest, not all: a job that alternates between more
+    # checkpoints than it keeps plans for still finds the recent ones.
+    from statereg.dcp import reader
+
+    kept: dict[object, object] = {("other", i): object() for i in range(reader._LOAD_PLANS_KEPT)}
+    monkeypatch.setattr(reader, "_load_plans", kept)
+    mgr = statereg.CheckpointManager(make_spec("model"), model=make_model(seed=0))
+    mgr.save(step=1)
+    mgr.load(step=1)
+    assert len(kept) == reader._LOAD_PLANS_KEPT
+    assert ("other", 0) not in kept
+    assert all(("other", i) in kept for i in range(1, reader._LOAD_PLANS_KEPT))
 
 
 # -- the json format ----------------------------------------------------------------------
