@@ -44,6 +44,7 @@ from statereg.errors import SpecError, StorageError
 # injection, gates) keep working unchanged.
 WRITE_AROUND_CACHE: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "statereg_write_around_cache", default=False)
+
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # Operations where "not found" is an answer, not a failure.
 _LOOKUPS = frozenset({"read", "open", "check", "stat", "list"})
