@@ -1,4 +1,5 @@
-"""Local disk: direct buffered file writes, fsync before a file counts as written.
+"""Local disk: buffered file writes (compressed data files with O_DIRECT, around the page
+cache), fsync before a file counts as written.
 
 A file counts as written once its bytes and its directory entry are durable: the file is
 fsynced, then its directory (and the parent of every directory the write created), so a
