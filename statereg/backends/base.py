@@ -332,6 +332,11 @@ class StorageBackend:
     # true where a write waits on a disk or a network; false for host memory, where it is
     # CPU work and each component's own writers (`default_io_threads`) keep the cores busy.
     parallel_components: ClassVar[bool] = True
+    # The same for a compressed save: false where the encoders, not the store, set its pace
+    # (a local disk), so a second component's writers would only time-slice the cores and
+    # the GIL with the first's (docs/performance.md, "Compressed saves: one component at a
+    # time").
+    parallel_compressed_components: ClassVar[bool] = True
     # Whether tensor records carry their zip CRC-32s, as torch.save writes them by default:
     # false for host memory, where computing them is a pass over every byte that nothing
     # checks (statereg's own digests do; dcp/records.py).

@@ -305,8 +305,9 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
 
     Components that need no collective (one process, or per-rank state) are written at the
     same time: on an object store each component's uploads would otherwise wait for the
-    slowest file of the one before. Not in memory (`parallel_components`), where writing is
-    CPU work that more threads than the writers of one component only time-slice.
+    slowest file of the one before. Not in memory (`parallel_components`), nor compressed on
+    a local disk (`parallel_compressed_components`), where writing is CPU work that more
+    threads than the writers of one component only time-slice.
     `plans`: the job's kept DCP plans, which components
     whose plans are unchanged write by without a collective (layouts/dcp.py).
     """
@@ -328,7 +329,9 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
         progress.update(item.nbytes)
         return report
 
-    if len(captured) > 1 and backend.parallel_components and all(
+    together = backend.parallel_components and (
+        ctx.compression is None or backend.parallel_compressed_components)
+    if len(captured) > 1 and together and all(
             world.process_group(item.task.collective) is None for item in captured):
         with ThreadPoolExecutor(len(captured), thread_name_prefix="statereg-component") as pool:
             reports = list(pool.map(write, captured))

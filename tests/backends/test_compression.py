@@ -368,6 +368,43 @@ def test_a_slow_item_holds_up_only_its_own_compressing_writer(tmp_path, monkeypa
         assert torch.equal(param, other[name]), name
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_compressed_components_are_written_one_at_a_time_on_a_local_disk(tmp_path, monkeypatch,
+                                                                         compression):
+    """Uncompressed, the model's and the optimizer's files are written at the same time (a
+    disk write waits on the disk); compressed, one component after the other: encoding is the
+    work, and four encoders on the cores of two would only time-slice them."""
+    from statereg.engine.layouts.dcp import DCPLayout
+
+    inside, most, second_in = [0], [0], threading.Event()
+    lock = threading.Lock()
+    write = DCPLayout.write
+
+    def counted(self: DCPLayout, item: object, ctx: object) -> object:
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            if inside[0] == 2:
+                second_in.set()
+        second_in.wait(timeout=2)  # a second component at the same time comes in at once
+        try:
+            return write(self, item, ctx)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(DCPLayout, "write", counted)
+    model, opt = trained()
+    url = statereg.CheckpointManager(spec_for(str(tmp_path / "ck"), compression), model=model,
+                                     optimizer=opt).save(step=1)
+    assert most[0] == (1 if compression else 2)
+    other = Mixed()
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    statereg.CheckpointManager(spec_for(str(tmp_path / "ck")), model=other,
+                               optimizer=other_opt).load(url)
+    assert_same_state(model, opt, other, other_opt)
+
+
 def test_a_compressed_load_decodes_float_tensors_in_place(tmp_path, monkeypatch):
     def made(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
