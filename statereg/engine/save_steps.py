@@ -209,6 +209,13 @@ def check_extra(extra: Any) -> dict[str, Any]:
     for key, value in extra.items():
         if not isinstance(key, str):
             raise SpecError(f"save(extra=...): key {key!r} must be a string")
+        odd = _non_finite(value)
+        if odd is not None:
+            raise SpecError(
+                f"save(extra=...): {key!r} holds the float {odd!r}, which JSON cannot store "
+                "(a manifest reader refuses NaN and infinity); pass a finite number, or leave "
+                f"{key!r} out of this save's extra (e.g. a loss that diverged)"
+            )
         try:
             size += len(json.dumps(value, allow_nan=False)) + len(key) + 4
         except (TypeError, ValueError):
@@ -223,6 +230,21 @@ def check_extra(extra: Any) -> dict[str, Any]:
                 "every reader can parse it: store large data as a component, not in extra"
             )
     return extra
+
+
+def _non_finite(value: Any) -> float | None:
+    """The first NaN or infinite float in `value` (iterative, as nesting_depth), or None:
+    JSON has no such number, so json.dumps refuses it and no manifest could hold it."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, float) and (item != item or abs(item) == float("inf")):
+            return item
+    return None
 
 
 def _unreadable(value: Any) -> str | None:

@@ -257,13 +257,27 @@ def test_an_unencodable_json_value_is_a_spec_error_before_anything_is_written(ma
     assert not (tmp_path / "ckpt" / "step_00000001").exists()
 
 
-@pytest.mark.parametrize("extra", [{"loss": torch.tensor(1.0)}, {"loss": float("nan")},
+@pytest.mark.parametrize("extra", [{"loss": torch.tensor(1.0)},
                                    {"when": object()}])
 def test_extra_must_be_plain_json(make_spec, extra):
     mgr = statereg.CheckpointManager(make_spec("model"), model=nn.Linear(1, 1))
     key = next(iter(extra))
     with pytest.raises(statereg.SpecError, match=f"value of '{key}'.*not plain JSON"):
         mgr.save(step=1, extra=extra)
+    assert mgr.list() == []
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), [1.0, -float("inf")],
+                                   {"eval": {"loss": float("nan")}}])
+def test_a_non_finite_metric_in_extra_is_named_without_a_float_hint(make_spec, value):
+    # Issue 41, item 5: a NaN loss is already a float; "e.g. float(loss)" sent users nowhere.
+    mgr = statereg.CheckpointManager(make_spec("model"), model=nn.Linear(1, 1))
+    with pytest.raises(statereg.SpecError) as info:
+        mgr.save(step=1, extra={"step_time": 0.5, "loss": value})
+    message = str(info.value)
+    assert "'loss' holds the float" in message and ("nan" in message or "inf" in message)
+    assert "float(loss)" not in message
+    assert "finite number" in message
     assert mgr.list() == []
 
 
