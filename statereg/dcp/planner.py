@@ -6,6 +6,7 @@ Also `plan_digest`, by which ranks tell whether a save plans what the last one p
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from typing import Any
 
@@ -50,9 +51,14 @@ class StateregSavePlanner(DefaultSavePlanner):
     take DefaultSavePlanner's path: deduplication and validation across ranks stay.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, coordinator_only: frozenset[str] = frozenset()) -> None:
+        """`coordinator_only`: keys of plain tensors every rank holds a copy of, which only the
+        coordinator's plan writes, so that the stored tensor is one rank's copy (DCP's
+        deduplication would otherwise pick each key's writer by balance, and a checkpoint
+        could hold one buffer from one rank and the next from another)."""
         super().__init__()
         self._plain = False
+        self._coordinator_only = coordinator_only
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
                        is_coordinator: bool = False) -> None:
@@ -67,6 +73,14 @@ class StateregSavePlanner(DefaultSavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        plan = self._local_plan()
+        if self._coordinator_only and not self.is_coordinator:
+            plan = dataclasses.replace(plan, items=[
+                item for item in plan.items if item.index.fqn not in self._coordinator_only])
+            self.plan = plan
+        return plan
+
+    def _local_plan(self) -> SavePlan:
         if not self._plain:
             return super().create_local_plan()
         shared: dict[tuple[Any, ...], TensorWriteData] = {}

@@ -32,7 +32,7 @@ from statereg.engine.incremental import (
 )
 from statereg.engine.layouts import LAYOUTS, Captured
 from statereg.engine.layouts.dcp import PlannedWriteContext, SavePlans
-from statereg.engine.plan import RankPlan
+from statereg.engine.plan import WORLD, RankPlan
 from statereg.engine.publish import commit
 from statereg.engine.report import Progress, describe_rate
 from statereg.engine.retention import apply_retention
@@ -79,17 +79,122 @@ def state_digest(spec: RegistrySpec, captured: list[Captured]) -> tuple[str, dic
 @dataclass(frozen=True)
 class SaveSummary:
     """What one rank tells the others before a save, in one collective: the digest of its
-    declaration and shared key sets, and one digest per `replicated` component declared with
-    validate (empty on a single process, which has no other copy to compare)."""
+    declaration and shared key sets, one digest per `replicated` component declared with
+    validate, and per-key digests of the state that one stored copy stands for on every
+    rank (`copies`; engine docs: "one copy is one rank's"). Empty on a single process, which
+    has no other copy to compare."""
 
     state: str
     replicas: dict[str, int]
+    copies: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Model components whose buffers a DistributedDataParallel broadcasts from rank 0 at
+    # every training forward: rank 0's stored copy is the one every rank's next step uses.
+    broadcast: tuple[str, ...] = ()
 
 
-def summarize(spec: RegistrySpec, captured: list[Captured], world_size: int) -> SaveSummary:
-    replicas = ({comp: _combined(d) for comp, d in _replica_digests(captured).items()}
-                if world_size > 1 else {})
-    return SaveSummary(state_digest(spec, captured)[0], replicas)
+def summarize(spec: RegistrySpec, captured: list[Captured], world_size: int,
+              plan: RankPlan | None = None, adapters: dict[str, Any] | None = None,
+              ) -> SaveSummary:
+    if world_size == 1:
+        return SaveSummary(state_digest(spec, captured)[0], {})
+    replicas = {comp: _combined(d) for comp, d in _replica_digests(captured).items()}
+    copies, broadcast = _copy_digests(captured, plan, adapters or {})
+    return SaveSummary(state_digest(spec, captured)[0], replicas, copies, broadcast)
+
+
+def _copy_digests(captured: list[Captured], plan: RankPlan | None, adapters: dict[str, Any],
+                  ) -> tuple[dict[str, dict[str, int]], tuple[str, ...]]:
+    """Per component, per key, a digest of the state one stored copy must stand for on every
+    rank: a model's buffers (the coordinator writes them) and a global or replicated
+    object's state (rank 0 writes it). Every rank digests its own, so a rank whose copy
+    differs is found before anything is written."""
+    copies: dict[str, dict[str, int]] = {}
+    broadcast: list[str] = []
+    for item in captured:
+        # Over the world only: a named group's copies differ from group to group.
+        if item.coordinator_only and item.tensors is not None and item.task.collective == WORLD:
+            copies[item.task.component] = {key: _digest(item.tensors[key])
+                                           for key in sorted(item.coordinator_only)}
+            adapter = adapters.get(item.task.component)
+            if getattr(adapter, "buffers_broadcast", lambda: False)():
+                broadcast.append(item.task.component)
+    for task in plan.tasks if plan is not None else ():
+        adapter = adapters.get(task.component)
+        if (task.sharing not in ("global", "replicated") or task.kind in ("model", "optimizer")
+                or adapter is None or task.layout == "consolidated"):
+            continue
+        state = adapter.capture()
+        state = getattr(state, "tensors", state)
+        keys = state.items() if isinstance(state, dict) else [("", state)]
+        copies[task.component] = {str(key): _digest(value) for key, value in keys}
+    return copies, tuple(broadcast)
+
+
+def _digest(value: Any) -> int:
+    """xxh3_64 of a state value's content: tensors and arrays by their bytes, containers by
+    their items, other objects by their type only (their repr may hold addresses)."""
+    hasher = new_hasher()
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            hasher.update(f"T{item.dtype}{tuple(item.shape)}".encode())
+            if (type(item) in (torch.Tensor, torch.nn.Parameter) and item.layout == torch.strided
+                    and not item.is_quantized and not item.is_nested and item.numel()):
+                hasher.update(item.detach().cpu().contiguous().reshape(-1)
+                              .view(torch.uint8).numpy())
+        elif isinstance(item, dict):
+            hasher.update(b"{%d" % len(item))
+            for key in sorted(item, key=repr):
+                hasher.update(repr(key).encode())
+                pending.append(item[key])
+        elif isinstance(item, (list, tuple)):
+            hasher.update(b"[%d" % len(item))
+            pending.extend(reversed(item))
+        elif item is None or isinstance(item, (bool, int, float, str, bytes, torch.dtype)):
+            hasher.update(repr(item).encode())
+        elif hasattr(item, "tobytes") and hasattr(item, "dtype"):  # numpy arrays and scalars
+            hasher.update(f"A{item.dtype}{getattr(item, 'shape', ())}".encode())
+            hasher.update(item.tobytes())
+        else:
+            hasher.update(type(item).__qualname__.encode())
+    return hasher.intdigest()
+
+
+def check_copies(plan: RankPlan, summaries: list[SaveSummary]) -> None:
+    """One stored copy must stand for every rank's state: refuse, naming the component, key
+    and ranks, when the ranks' copies differ and the difference would be lost on a resume.
+
+    A model's buffers that DDP broadcasts from rank 0 may differ (each rank updates its own
+    during a forward; the next forward overwrites them with rank 0's): rank 0's are stored.
+    """
+    first = summaries[0]
+    for component, digests in first.copies.items():
+        if component in first.broadcast:
+            continue
+        for key, digest in digests.items():
+            differ = [rank for rank, theirs in enumerate(summaries)
+                      if theirs.copies.get(component, {}).get(key) != digest]
+            if not differ:
+                continue
+            task = plan.task(component)
+            if task.kind == "model":
+                raise SpecError(
+                    f"component {component!r} (model): buffer {key!r} differs between rank 0 "
+                    f"and rank(s) {differ}, and no DistributedDataParallel(broadcast_buffers="
+                    "True) makes rank 0's the one every rank uses next, so one stored copy "
+                    "would not resume every rank exactly; nothing was saved. Keep the buffers "
+                    "equal on every rank (wrap the model in DDP, or use SyncBatchNorm), or "
+                    "declare the component sharing: per_rank to store each rank's own"
+                )
+            shown = f" (at key {key!r})" if key else ""
+            raise SpecError(
+                f"component {component!r} ({task.kind}) is declared {task.sharing}: one copy, "
+                f"rank 0's, restored on every rank; but its state differs between rank 0 and "
+                f"rank(s) {differ}{shown}, so the other ranks would resume with rank 0's "
+                "values; nothing was saved. Declare it sharing: per_rank to store each rank's "
+                "own state, or keep it equal on every rank"
+            )
 
 
 def check_consistency(world: World, spec: RegistrySpec, captured: list[Captured],
@@ -131,7 +236,8 @@ def _replica_digests(captured: list[Captured]) -> dict[str, dict[str, int]]:
             continue
         mine = digests.setdefault(item.task.component, {})
         for key, tensor in item.tensors.items():
-            if isinstance(tensor, torch.Tensor):
+            # One rank's copy of a model's buffers is stored; check_copies compares them.
+            if isinstance(tensor, torch.Tensor) and key not in item.coordinator_only:
                 hasher = new_hasher()
                 # reshape(-1): a 0-dim tensor (a step count, BatchNorm's counter) has no byte view
                 hasher.update(tensor.detach().cpu().contiguous().reshape(-1)
@@ -164,7 +270,9 @@ def check_replicas(world: World, captured: list[Captured],
                 raise CheckpointMismatchError(
                     f"component {comp!r} is declared replicated, but tensor {key!r} differs "
                     f"between rank 0 and rank(s) {differ}; nothing was saved. Synchronize the "
-                    "replicas (e.g. broadcast from rank 0) or declare the component sharded"
+                    "replicas (e.g. broadcast from rank 0; SyncBatchNorm for BatchNorm "
+                    "statistics), or declare the component per_rank so that each rank's own "
+                    "copy is stored"
                 )
 
 

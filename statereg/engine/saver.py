@@ -25,6 +25,7 @@ from statereg.engine.plan import RankPlan
 from statereg.engine.save_steps import (
     capture,
     check_consistency,
+    check_copies,
     check_extra,
     check_replicas,
     save_checkpoint,
@@ -124,12 +125,13 @@ class Saver:
         summary = None
         with caught() as reading:
             captured = capture(plan, adapters)
-            summary = summarize(self.spec, captured, world.size)
+            summary = summarize(self.spec, captured, world.size, plan, adapters)
         # One collective: every rank's failure, declaration digest and replica digests.
         summaries = world.gather_checked(summary, reading.error,
                                          f"save of step {step}: reading state")
         check_consistency(world, self.spec, captured, summaries)
         check_replicas(world, captured, summaries)
+        check_copies(plan, summaries)
         url = self.backend.display(checkpoint_name(step))
         nbytes = sum(c.nbytes for c in captured)
         stall: list[float] = []  # the loop's stall, known once save() is about to return

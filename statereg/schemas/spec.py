@@ -142,6 +142,13 @@ class ComponentSpec(_Declared):
         description="For a model: save only parameters with requires_grad (adapters, LoRA); "
         "loading restores them and leaves the frozen base untouched.",
     )
+    ddp_layout: bool = Field(
+        default=True,
+        description="For a model wrapped in DistributedDataParallel: carry DDP's gradient "
+        "bucket layout in the checkpoint and restore it on load, so a resume at 3 or more "
+        "ranks averages gradients in the saved run's order (bit-exact; "
+        "docs/exact-resume.md#under-ddp). Set false to leave it out.",
+    )
     prefix: PrefixSpec | None = Field(default=None, description="Key-prefix rules (model only).")
     required: bool = Field(
         default=True,
@@ -189,6 +196,8 @@ class ComponentSpec(_Declared):
             parse_size(self.max_shard_size)
         if self.trainable_only and self.kind != "model":
             raise ValueError("'trainable_only' applies to model components only")
+        if not self.ddp_layout and self.kind != "model":
+            raise ValueError("'ddp_layout' applies to model components only")
         if self.resolved_sharing == "per_group" and not self.group:
             raise ValueError("sharing 'per_group' needs 'group': the name of the process group")
         if self.validate_replicas and self.resolved_sharing != "replicated":

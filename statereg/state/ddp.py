@@ -30,6 +30,7 @@ every rank does in `mgr.load()`.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -58,6 +59,27 @@ def _reducer_parameters(ddp: Any) -> list[nn.Parameter]:
                 seen.add(id(param))
                 params.append(param)
     return params
+
+
+def find_ddp(model: nn.Module) -> Any:
+    """The DistributedDataParallel that wraps `model`, or None.
+
+    `model` itself, a torch.compile wrapper around one, or the module a DDP was built
+    around: a training loop often hands statereg the inner module and keeps the wrapper.
+    That wrapper is found among the garbage collector's objects: one walk of the heap, done
+    once by the caller, which keeps the answer.
+    """
+    seen = model
+    while True:
+        if isinstance(seen, nn.parallel.DistributedDataParallel):
+            return seen
+        inner = getattr(seen, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            break
+        seen = inner
+    ddp_type = nn.parallel.DistributedDataParallel
+    return next((obj for obj in gc.get_objects()
+                 if issubclass(type(obj), ddp_type) and obj.module is seen), None)
 
 
 def _parse_indices(text: str) -> list[list[int]]:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from statereg.errors import SpecError
+import torch
+
+from statereg.errors import CheckpointMismatchError, SpecError
 from statereg.schemas.spec import RegistrySpec
+from statereg.state.ddp import DDPBucketLayout
 from statereg.state.model import ModelAdapter
 from statereg.state.objects import DataloaderAdapter, ObjectAdapter
 from statereg.state.optimizer import OptimizerAdapter
@@ -40,7 +43,24 @@ class ObjectTensors:
 
     def load_targets(self, stored: dict[str, TensorMeta], meta: dict[str, Any], strict: bool,
                      sidecar: dict[str, Any] | None) -> dict[str, Any]:
-        return self._objects.capture()
+        """The object's own state dict, after checking that each of its tensors has the
+        saved shape and dtype (DCP would stop half way through with a raw ValueError)."""
+        targets = self._objects.capture()
+        problems = []
+        for key, value in _tensor_leaves(targets):
+            saved = stored.get(key)
+            if saved is None or not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) != saved.shape or value.dtype != saved.dtype:
+                problems.append(f"{key} (checkpoint {list(saved.shape)} {saved.dtype}, object "
+                                f"{list(value.shape)} {value.dtype})")
+        if problems:
+            raise CheckpointMismatchError(
+                f"component {self.name!r} (format dcp) does not fit the checkpoint: tensors "
+                f"differ in shape or dtype: {', '.join(problems[:10])}; build the object as "
+                "it was saved, or exclude the component from this load"
+            )
+        return targets
 
     def key_differences(self, stored: dict[str, TensorMeta], meta: dict[str, Any],
                         ) -> tuple[list[str], list[str]]:
@@ -49,6 +69,22 @@ class ObjectTensors:
     def apply(self, targets: dict[str, Any], meta: dict[str, Any],
               sidecar: dict[str, Any] | None) -> None:
         self._objects.restore(targets)
+
+
+def _tensor_leaves(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted name, tensor) of every tensor in nested dicts and lists, named as DCP's
+    flattening names them (dict keys and list indices joined by dots)."""
+    found: list[tuple[str, Any]] = []
+    pending: list[tuple[str, Any]] = [(prefix, state)]
+    while pending:
+        name, value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend((f"{name}.{k}" if name else str(k), v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            pending.extend((f"{name}.{i}" if name else str(i), v) for i, v in enumerate(value))
+        elif isinstance(value, torch.Tensor):
+            found.append((name, value))
+    return found
 
 
 def check_objects(spec: RegistrySpec, objects: dict[str, Any], *, initial: bool) -> None:
@@ -84,6 +120,7 @@ def build_adapters(spec: RegistrySpec, objects: dict[str, Any]) -> dict[str, Ada
         if comp.kind == "model" and name in objects:
             adapters[name] = ModelAdapter(name, objects[name], comp.prefix,
                                           comp.trainable_only)
+            adapters[name].carry_layout = comp.ddp_layout
     for name, comp in spec.components.items():
         if comp.kind == "rng":
             adapters[name] = RNGAdapter(name)
@@ -104,4 +141,10 @@ def build_adapters(spec: RegistrySpec, objects: dict[str, Any]) -> dict[str, Ada
             adapters[name] = ObjectTensors(ObjectAdapter(name, comp.kind, objects[name]))
         else:
             adapters[name] = ObjectAdapter(name, comp.kind, objects[name])
+    # A declaration that carries DDP's bucket layout itself (a DDPBucketLayout component, as
+    # the Lightning and HF Trainer integrations add) turns off the model's own carrying.
+    layouts = [obj.ddp for obj in objects.values() if isinstance(obj, DDPBucketLayout)]
+    for adapter in adapters.values():
+        if isinstance(adapter, ModelAdapter) and layouts:
+            adapter.carry_layout = False
     return adapters

@@ -5,12 +5,14 @@ comparison. Shared by the conformance tests with and without memory tiers."""
 from __future__ import annotations
 
 import itertools
+import random
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, get_args
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import ValidationError
@@ -111,6 +113,9 @@ class Case:
 
     def objects(self, seed: int) -> dict[str, Any]:
         if self.kind == "rng":
+            # Every generator: a one-copy rng whose ranks differ is refused at save.
+            random.seed(seed)
+            np.random.seed(seed)
             torch.manual_seed(seed)
             return {}
         if self.kind in ("model", "optimizer"):

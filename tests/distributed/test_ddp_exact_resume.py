@@ -1,12 +1,14 @@
-"""A hand-written DDP loop at 4 gloo ranks resumes bit-exactly with DDPBucketLayout.
+"""A hand-written DDP loop at 4 gloo ranks resumes bit-exactly: DDP's bucket layout is carried.
 
 The loop is the demo's in miniature (examples/train_demo.py): a transformer LM with dropout and
 tied embeddings, AdamW, a per-step LambdaLR, a shuffled DistributedSampler in a
 StatefulDataLoader, and statereg's CheckpointManager. The uninterrupted run saves mid-epoch
 and trains on; new processes in a new process group load that checkpoint and train to the
-same step. Without the `ddp` component the resumed run's first step averages gradients in
-another order (a new DDP's initial bucket layout, see docs/exact-resume.md#under-ddp) and the
-losses drift by an ulp; with it, every later loss on every rank is bit-identical.
+same step. The model component carries the DDP's bucket layout by itself (the loop declares
+nothing for it), or a declared `ddp` component (DDPBucketLayout) does; with `ddp_layout:
+false` and no component, the resumed run's first step averages gradients in another order (a
+new DDP's initial bucket layout, see docs/exact-resume.md#under-ddp) and the losses drift by
+an ulp. Carried either way, every later loss on every rank is bit-identical.
 """
 
 from __future__ import annotations
@@ -66,16 +68,17 @@ def _lr(step: int) -> float:
     return min(1.0, (step + 1) / 4) * (0.5 + 0.5 * math.cos(step / TOTAL))
 
 
-def _spec(url: str, exact_ddp: bool) -> dict:
-    components = {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"},
+def _spec(url: str, exact_ddp: str) -> dict:
+    model = {"kind": "model", "ddp_layout": exact_ddp != "off"}
+    components = {"model": model, "optimizer": {"kind": "optimizer"},
                   "scheduler": {"kind": "scheduler"}, "dataloader": {"kind": "dataloader"},
                   "rng": {"kind": "rng"}}
-    if exact_ddp:
+    if exact_ddp == "component":
         components["ddp"] = {"kind": "custom"}
     return {"storage": {"url": url}, "components": components}
 
 
-def train(rank: int, world: int, url: str, exact_ddp: bool, out: str) -> None:
+def train(rank: int, world: int, url: str, exact_ddp: str, out: str) -> None:
     """Train to TOTAL (resuming from url's latest checkpoint if any), saving at SAVE_AT."""
     torch.use_deterministic_algorithms(True)
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11
@@ -91,7 +94,7 @@ def train(rank: int, world: int, url: str, exact_ddp: bool, out: str) -> None:
     loader = StatefulDataLoader(dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
     objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                "dataloader": loader}
-    if exact_ddp:
+    if exact_ddp == "component":
         objects["ddp"] = DDPBucketLayout(ddp)
     losses: dict[int, str] = {}
     with statereg.CheckpointManager(_spec(url, exact_ddp), **objects) as mgr:
@@ -120,7 +123,7 @@ def _losses(out: Path) -> list[dict[str, str]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-def _run(tmp: Path, name: str, url: str, exact_ddp: bool) -> list[dict[str, str]]:
+def _run(tmp: Path, name: str, url: str, exact_ddp: str) -> list[dict[str, str]]:
     out = tmp / name
     out.mkdir()
     run_ranks(WORLD, train, tmp, url, exact_ddp, str(out))
@@ -129,17 +132,18 @@ def _run(tmp: Path, name: str, url: str, exact_ddp: bool) -> list[dict[str, str]
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, str]]]:
-    """The uninterrupted run, with the ddp component: it saves at SAVE_AT and trains on."""
+    """The uninterrupted run, declaring nothing for DDP: it saves at SAVE_AT and trains on."""
     tmp = tmp_path_factory.mktemp("ddp")
-    return tmp, _run(tmp, "reference", str(tmp / "ckpt"), exact_ddp=True)
+    return tmp, _run(tmp, "reference", str(tmp / "ckpt"), exact_ddp="auto")
 
 
-@pytest.mark.parametrize("exact_ddp", [True, False], ids=["with-DDPBucketLayout", "without"])
+@pytest.mark.parametrize("exact_ddp", ["auto", "off"], ids=["carried-by-default",
+                                                            "ddp_layout-false"])
 def test_ddp_resume_at_4_ranks_is_bit_exact(
-        exact_ddp: bool, uninterrupted: tuple[Path, list[dict[str, str]]]) -> None:
+        exact_ddp: str, uninterrupted: tuple[Path, list[dict[str, str]]]) -> None:
     tmp, reference = uninterrupted
-    # New processes in a new process group resume from the checkpoint of step SAVE_AT; the
-    # plain loop ("without") neither declares nor loads the ddp component.
+    # New processes in a new process group resume from the checkpoint of step SAVE_AT; with
+    # ddp_layout: false the model component does not apply the layout it saved.
     resumed = _run(tmp, f"resumed-{exact_ddp}", str(tmp / "ckpt"), exact_ddp)
     later = [str(s) for s in range(SAVE_AT + 1, TOTAL + 1)]
     for rank in range(WORLD):
@@ -148,7 +152,7 @@ def test_ddp_resume_at_4_ranks_is_bit_exact(
                  if resumed[rank][step] != reference[rank][step]]
     # The first resumed step's loss comes before any all-reduce: exact either way.
     assert all(resumed[r][later[0]] == reference[r][later[0]] for r in range(WORLD))
-    if exact_ddp:
+    if exact_ddp == "auto":
         assert differing == []
     else:
         # The failure this component fixes: the resumed DDP's first all-reduce sums in its

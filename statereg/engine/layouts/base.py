@@ -33,6 +33,9 @@ class Captured:
     tensors: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     blobs: dict[str, bytes] = field(default_factory=dict)  # path in the checkpoint -> bytes
+    # Plain tensors the collective's coordinator alone writes, its copy standing for every
+    # rank's (a DDP model's buffers: each rank updates its own, the next step uses rank 0's).
+    coordinator_only: frozenset[str] = frozenset()
 
     @property
     def tensor_bytes(self) -> int:

@@ -16,7 +16,7 @@ from statereg.engine.layouts.base import (
     require_object,
 )
 from statereg.engine.plan import LoadTask, Task
-from statereg.errors import CheckpointMismatchError
+from statereg.errors import CheckpointMismatchError, SpecError
 from statereg.formats.files import open_model_files, write_model_files
 from statereg.schemas.manifest import ComponentRecord
 from statereg.state.protocols import TensorState
@@ -27,6 +27,14 @@ class ConsolidatedLayout:
 
     def capture(self, task: Task, adapter: TensorState) -> Captured:
         state = adapter.capture()
+        if state.sidecar is not None:
+            keys = ", ".join(state.meta.get("entries", [])[:5])
+            raise SpecError(
+                f"component {task.component!r}: format {task.format!r} holds plain tensors "
+                f"only, and the model's state_dict() also holds {keys} (extra state, quantized "
+                "or other non-plain tensors); declare the component format: dcp, which stores "
+                "them beside the tensors"
+            )
         return Captured(task, tensors=state.tensors, meta=state.meta)
 
     def write(self, item: Captured, ctx: WriteContext) -> None:

@@ -52,10 +52,12 @@ from statereg.engine.layouts.base import (
 )
 from statereg.engine.plan import WORLD, LoadTask, Task
 from statereg.engine.world import World, caught, unwrap_alone
+from statereg.errors import SpecError
 from statereg.formats.jsonstate import decode_state, encode_state
 from statereg.formats.names import SIDECAR_NAME
 from statereg.formats.tensors import dcp_tensor_metas
 from statereg.schemas.manifest import ComponentRecord, FileRecord
+from statereg.state.model import ModelAdapter, describe, is_plain_tensor
 from statereg.state.protocols import TensorMeta, TensorState
 
 
@@ -109,7 +111,7 @@ class SavePlans:
                 continue
             if task.collective is None:
                 self._alone.add(task.component)
-            planner = StateregSavePlanner()
+            planner = StateregSavePlanner(item.coordinator_only)
             # DCP's coordinator (rank 0 of the world, or this rank alone) also plans objects.
             planner.set_up_planner(item.tensors,
                                    is_coordinator=task.collective is None or rank == 0)
@@ -208,7 +210,13 @@ class DCPLayout:
 
     def capture(self, task: Task, adapter: TensorState) -> Captured:
         state = adapter.capture()
+        _check_items(task, state.tensors)
         item = Captured(task, tensors=state.tensors, meta=state.meta)
+        if task.collective is not None and isinstance(adapter, ModelAdapter):
+            # Plain buffers (not DTensor shards) are one rank's copy: the coordinator's.
+            item.coordinator_only = frozenset(
+                key for key in adapter.buffer_names()
+                if type(state.tensors.get(key)) in PLAIN_TENSOR_TYPES)
         if task.leader and state.sidecar is not None:
             item.blobs[f"{task.directory}/{SIDECAR_NAME}"] = encode_state(
                 state.sidecar, f"component {task.component!r}")
@@ -225,7 +233,7 @@ class DCPLayout:
         if plans is not None and plans.writes_again(task.component):
             plans.write_again(task.component, writer)
             return writer.report
-        planner = StateregSavePlanner()
+        planner = StateregSavePlanner(item.coordinator_only)
         with single_process_dcp():
             dcp.save(item.tensors, storage_writer=writer, planner=planner,
                      process_group=group, no_dist=group is None)
@@ -279,6 +287,32 @@ class DCPLayout:
             adapter.apply(targets, record.meta, sidecar)
 
         return Prepared(apply, keys=key_report(adapter, stored, record.meta, targets))
+
+
+def _check_items(task: Task, tensors: Any) -> None:
+    """Refuse, before any file is written, a state DCP would store but not load back: a tensor
+    that is not a plain dense one (quantized, sparse, nested, a subclass), or state whose top
+    level is not a dict of names."""
+    where = f"component {task.component!r} ({task.kind}, format dcp)"
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) for k in tensors):
+        raise SpecError(
+            f"{where}: state_dict() must return a dict keyed by strings for format dcp, got "
+            f"{type(tensors).__name__}; declare format: torch or json for other shapes"
+        )
+    pending: list[tuple[str, Any]] = list(tensors.items())
+    while pending:
+        key, value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend((f"{key}.{k}", v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            pending.extend((f"{key}.{i}", v) for i, v in enumerate(value))
+        elif isinstance(value, torch.Tensor) and not is_plain_tensor(value):
+            raise SpecError(
+                f"{where}: entry {key!r} is {describe(value)}, which DCP cannot store as a "
+                "tensor item that loads back; declare the component format: torch (one "
+                "torch.save file, loaded with weights_only=True), or convert it to a dense "
+                "tensor in state_dict()"
+            )
 
 
 def _checked_targets(task: LoadTask, record: ComponentRecord, adapter: TensorState | None,
