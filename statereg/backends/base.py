@@ -254,6 +254,10 @@ class _RangeReads(PositionedReads):
         self._buffer_start, self._buffer = start, self._backend.read_range(self._path, start, end)
 
 
+# Errors that say what the entry at a path is (a directory, not one, not empty, a loop of
+# links, a name too long): they never mean the store is unreachable or the credentials wrong.
+_ENTRY_CODES = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.ELOOP,
+                          errno.ENAMETOOLONG, errno.EEXIST})
 # What a failed storage call most often needs, unless its error says otherwise.
 _CHECK_ACCESS = ("Check that the storage is reachable and the credentials in storage.options "
                  "allow it")
@@ -341,8 +345,10 @@ class StorageBackend:
     # false for host memory, where computing them is a pass over every byte that nothing
     # checks (statereg's own digests do; dcp/records.py).
     record_crcs: ClassVar[bool] = True
-    # What to check when the store says "permission denied" (EACCES, EPERM).
+    # What to check when the store says "permission denied" (EACCES, EPERM) to a write or
+    # a delete, and to a read or a listing (which must not send the user after write access).
     denied_hint: ClassVar[str] = _CHECK_ACCESS
+    denied_read_hint: ClassVar[str] = _CHECK_ACCESS
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/") or url
@@ -417,7 +423,12 @@ class StorageBackend:
             elif code == errno.EROFS:
                 hint = "The filesystem is mounted read-only: save to a writable root"
             elif code in (errno.EACCES, errno.EPERM):
-                hint = self.denied_hint
+                hint = self.denied_read_hint if operation in _LOOKUPS else self.denied_hint
+            elif code in _ENTRY_CODES:
+                # The entry itself is not what the operation expected (a directory deleted
+                # as a file): nothing about access or credentials.
+                hint = ("The entry there is of another kind than this operation expects; "
+                        "this is no storage outage")
             error, cause = StorageError(
                 f"{operation} failed for {self.display(path)}: {detail}. {hint}"), exc
         if self._secrets and _mentions(error, self._secrets):

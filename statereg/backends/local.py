@@ -648,6 +648,8 @@ class LocalBackend(StorageBackend):
     atomic_create = True  # link(2) fails if the name exists, on every POSIX filesystem
     probe_exclusive = False
     denied_hint = "This user may not write there: check the folder's owner and permissions"
+    denied_read_hint = ("This user may not read there: check its owner and permissions (on a "
+                        "shared root, another user's entry)")
     # Compressed saves write one component at a time here (base.py).
     parallel_compressed_components = False
     # storage.read_cache (`open_backend` sets it): whether the page cache keeps what loads

@@ -108,8 +108,13 @@ def _delete_unneeded(backend: StorageBackend, name: str, needed: _Needed) -> boo
         return False
     if any(path.startswith(f"{name}/") for path in needed.files):
         for stored in backend.walk(name):
-            if stored.path not in needed.files and \
-                    stored.path != f"{name}/{RETIRED_NAME}":
+            if stored.path in needed.files or stored.path == f"{name}/{RETIRED_NAME}":
+                continue
+            if stored.kind == "directory":
+                # A listing shows a directory only when nothing is in it (one an earlier
+                # pass emptied, e.g. a retired checkpoint's optimizer/): removed as one.
+                backend.remove_tree(stored.path)
+            else:
                 _remove(backend, stored.path)
         return False
     backend.remove_tree(name)

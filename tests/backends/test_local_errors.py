@@ -62,3 +62,14 @@ def test_a_folder_this_user_may_not_write_says_to_check_permissions_and_keeps_th
     result = manager(tmp_path, restored).load()
     assert result is not None and result.step == 1
     assert torch.equal(restored.weight, saved)
+
+
+def test_an_error_about_the_entry_itself_does_not_blame_access(tmp_path: Path) -> None:
+    # Issue 41, item 3: deleting a folder as a file is no outage and no credentials problem.
+    backend = statereg.backends.registry.open_backend(str(tmp_path))
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(StorageError) as refused:
+        backend.remove_file("folder")
+    text = str(refused.value)
+    assert "Is a directory" in text
+    assert "credentials" not in text and "reachable" not in text

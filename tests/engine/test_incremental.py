@@ -179,3 +179,19 @@ def test_gc_keeps_files_that_committed_checkpoints_reference(tmp_path):
     other, other_opt, other_mgr = run(root, seed=99)
     other_mgr.load(verify="full")
     assert_same(snapshot(other, other_opt), expected)
+
+
+def test_retention_removes_an_emptied_folder_as_a_folder_without_a_warning(tmp_path, caplog):
+    # Issue 41, item 3: the retired step 1 keeps its frozen model file (step 4 references
+    # it); its optimizer/ folder, emptied by the first retention, was then "deleted" as a
+    # file (EISDIR) on every save, with a warning that blamed the credentials.
+    root = tmp_path / "run"
+    model, opt, mgr = run(str(root), keep_last=1)
+    with caplog.at_level("WARNING", logger="statereg"):
+        for n in (1, 2, 3, 4):
+            step(model, opt)
+            mgr.save(step=n)
+    assert [r.message for r in caplog.records if r.levelname == "WARNING"] == []
+    assert not (root / "step_00000001" / "optimizer").exists()
+    assert list((root / "step_00000001" / "model").iterdir())  # still referenced
+    assert mgr.list() == [f"{root}/step_00000004"]
