@@ -11,7 +11,7 @@ from statereg.schemas.spec import RegistrySpec
 from statereg.state.ddp import DDPBucketLayout
 from statereg.state.model import ModelAdapter
 from statereg.state.objects import DataloaderAdapter, ObjectAdapter
-from statereg.state.optimizer import OptimizerAdapter
+from statereg.state.optimizer import OptimizerAdapter, is_zero
 from statereg.state.protocols import (
     ObjectState,
     TensorCapture,
@@ -134,7 +134,20 @@ def build_adapters(spec: RegistrySpec, objects: dict[str, Any]) -> dict[str, Ada
                     f"component {name!r} (optimizer) needs the object of model component "
                     f"{model_name!r} to name its parameters; pass {model_name}=..."
                 )
-            adapters[name] = OptimizerAdapter(name, objects[name], model)
+            optimizer = objects[name]
+            if is_zero(optimizer):
+                if comp.resolved_sharing != "per_rank":
+                    raise SpecError(
+                        f"component {name!r} is a ZeroRedundancyOptimizer: each rank holds the "
+                        "optimizer state of its own partition of the parameters, so one "
+                        f"{comp.resolved_sharing} copy cannot hold it; declare the component "
+                        "sharing: per_rank (each rank saves and loads its own partition, at "
+                        "the same world size)"
+                    )
+                adapters[name] = OptimizerAdapter(name, optimizer.optim, model,
+                                                  exposed=optimizer)
+            else:
+                adapters[name] = OptimizerAdapter(name, optimizer, model)
         elif comp.kind == "dataloader":
             adapters[name] = DataloaderAdapter(name, comp.kind, objects[name])
         elif comp.resolved_format == "dcp":

@@ -25,6 +25,14 @@ def _split_key(key: str) -> tuple[str, str]:
     return param, entry
 
 
+def is_zero(optimizer: Any) -> bool:
+    """Whether `optimizer` is torch's ZeroRedundancyOptimizer (each rank holds the state of
+    its own partition of the parameters, in `optimizer.optim`)."""
+    return any(cls.__name__ == "ZeroRedundancyOptimizer"
+               and cls.__module__.startswith("torch.distributed.optim")
+               for cls in type(optimizer).__mro__)
+
+
 def _require_sidecar(name: str, sidecar: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(sidecar, dict) or not isinstance(sidecar.get("param_groups"), list) \
             or not isinstance(sidecar.get("state"), dict):
@@ -40,7 +48,10 @@ class OptimizerAdapter:
 
     kind = "optimizer"
 
-    def __init__(self, name: str, optimizer: torch.optim.Optimizer, model: ModelAdapter) -> None:
+    def __init__(self, name: str, optimizer: torch.optim.Optimizer, model: ModelAdapter,
+                 exposed: torch.optim.Optimizer | None = None) -> None:
+        """`exposed`: a ZeroRedundancyOptimizer whose local shard `optimizer` is; its own
+        param groups (the ones schedulers change) get the loaded hyperparameters too."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise SpecError(
                 f"component {name!r} is declared kind 'optimizer' but got "
@@ -49,6 +60,7 @@ class OptimizerAdapter:
         self.name = name
         self.optimizer = optimizer
         self.model = model
+        self.exposed = exposed
 
     def _params_by_name(self) -> dict[str, torch.nn.Parameter]:
         return {self.model.stored_name(k): p for k, p in self.model.live_module.named_parameters()}
@@ -80,10 +92,13 @@ class OptimizerAdapter:
                     tensors[f"{_STATE}{pname}.{key}"] = value
                 else:
                     scalars.setdefault(pname, {})[key] = value
+        # A ZeroRedundancyOptimizer's exposed groups hold the current hyperparameters (a
+        # scheduler sets them there; the local optimizer gets them at the next step).
+        settings = (self.exposed or self.optimizer).param_groups
         groups = [
-            {**{k: v for k, v in group.items() if k != "params"},
+            {**{k: v for k, v in setting.items() if k != "params"},
              "params": [names[id(p)] for p in group["params"]]}
-            for group in self.optimizer.param_groups
+            for group, setting in zip(self.optimizer.param_groups, settings, strict=True)
         ]
         return TensorCapture(tensors, {}, {"param_groups": groups, "state": scalars})
 
@@ -162,3 +177,9 @@ class OptimizerAdapter:
             for saved, live in zip(extra["param_groups"], self.optimizer.param_groups, strict=True)
         ]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if self.exposed is not None:
+            # ZeroRedundancyOptimizer copies its exposed groups' hyperparameters into the
+            # local optimizer before each step: they must hold the loaded ones.
+            for local, exposed in zip(self.optimizer.param_groups, self.exposed.param_groups,
+                                      strict=True):
+                exposed.update({k: v for k, v in local.items() if k != "params"})
