@@ -406,9 +406,10 @@ class CheckpointManager:
                         raise
                     raise _fallback_failed(backend, passed) from exc
                 # Loads the same components, so it overwrites whatever the failed one touched.
-                logger.warning("%s is damaged (%s); resuming from %s instead",
+                logger.warning("%s is damaged (%s); resuming from %s instead (the run's save "
+                               "of step %d re-verifies it and, damaged, replaces it)",
                                backend.display(committed.name), exc,
-                               backend.display(older.name))
+                               backend.display(older.name), committed.step)
                 committed = older
             except StateregError as exc:
                 if not passed and (path is None and step is None):

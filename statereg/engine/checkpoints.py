@@ -25,6 +25,12 @@ LATEST_NAME = "latest"
 # The manifest's own checksum, written just before the manifest (absent in checkpoints
 # written before it existed, which are read without it).
 MANIFEST_SUM_NAME = "manifest.sum"
+RETIRED_NAME = ".retired"
+"""Written into a checkpoint directory just before retention (or a save that retires a
+damaged checkpoint of its step) removes its manifest, removed with the last of its files: a
+directory with it and without a manifest is what a retention left (interrupted, or keeping
+files a kept checkpoint references), and the next retention deletes what of it nothing
+needs any more."""
 _CHECKPOINT_NAME = re.compile(r"^step_(\d{8,})$")
 _SUM_LINE = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
 
@@ -117,14 +123,22 @@ def read_manifest_at(backend: StorageBackend, name: str, check: bool = True) -> 
     return manifest
 
 
+# What happens to a damaged checkpoint a resume skips (claims.retire_damaged).
+_RETIRES = " (the run's save of step %d re-verifies it and, damaged, replaces it)"
+
+
 def _usable(backend: StorageBackend, name: str, damaged: list[Exception]) -> Committed | None:
     """The committed checkpoint `name`, or None (its damage, if any, added to `damaged`)."""
     try:
         return Committed(name, read_manifest_at(backend, name))
     except CheckpointNotFoundError:
         return None
-    except (ManifestError, CorruptCheckpointError) as exc:
+    except ManifestError as exc:
         logger.warning("skipping %s: %s", backend.display(name), exc)
+        damaged.append(exc)
+        return None
+    except CorruptCheckpointError as exc:
+        logger.warning("skipping %s: %s%s", backend.display(name), exc, _RETIRES % step_of(name))
         damaged.append(exc)
         return None
 
@@ -286,7 +300,8 @@ def latest_committed(backend: StorageBackend) -> Committed | None:
         damage = file_damage(backend, found, listings)
         if damage is None:
             return found
-        logger.warning("skipping %s, which is damaged: %s", backend.display(name), damage)
+        logger.warning("skipping %s, which is damaged: %s%s", backend.display(name), damage,
+                       _RETIRES % step_of(name))
         damaged.append(damage)
     if damaged:
         raise damaged[0]

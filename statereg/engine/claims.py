@@ -28,11 +28,17 @@ from typing import Any
 from statereg import env
 from statereg.backends.base import StorageBackend
 from statereg.engine.checkpoints import (
+    MANIFEST_SUM_NAME,
+    RETIRED_NAME,
+    Committed,
+    Listings,
+    file_damage,
     read_manifest_at,
     referenced_files,
     scan_root,
     step_of,
 )
+from statereg.engine.verify import verify_files
 from statereg.errors import (
     CheckpointExistsError,
     CheckpointInProgressError,
@@ -312,10 +318,17 @@ def _release_all() -> None:
             claim.release()
 
 
-def refuse_committed(backend: StorageBackend, name: str) -> None:
-    """CheckpointExistsError if `name` has a manifest (statereg never overwrites one)."""
+def refuse_committed(backend: StorageBackend, name: str, retire: bool = False) -> None:
+    """CheckpointExistsError if `name` has a manifest (statereg never overwrites an intact
+    checkpoint).
+
+    `retire` (a save of that step): a committed checkpoint that re-verifies as damaged is
+    retired instead (`retire_damaged`), so a damaged checkpoint never blocks the step it
+    occupies: a resume skips it, and the run's next save of that step replaces it. The
+    re-verification reads every byte of it (docs/reliability.md, "A run always comes back").
+    """
     try:
-        read_manifest_at(backend, name, check=False)
+        manifest = read_manifest_at(backend, name, check=retire)
     except CheckpointNotFoundError:
         return
     except ManifestError as exc:
@@ -323,10 +336,73 @@ def refuse_committed(backend: StorageBackend, name: str) -> None:
             f"{backend.display(name)} has a {MANIFEST_NAME} that does not parse ({exc}); "
             "statereg never overwrites a manifest: inspect it, or save a different step"
         ) from None
-    raise CheckpointExistsError(
-        f"{backend.display(name)} is already a committed checkpoint; save a different step, "
-        "or delete it first (statereg never overwrites a committed checkpoint)"
-    )
+    except CorruptCheckpointError as exc:
+        if not retire:
+            raise
+        damage: CorruptCheckpointError = exc
+        writer = None
+    else:
+        if not retire:
+            raise CheckpointExistsError(
+                f"{backend.display(name)} is already a committed checkpoint; save a different "
+                "step, or delete it first (statereg never overwrites a committed checkpoint)"
+            )
+        found = recheck(backend, Committed(name, manifest))
+        if found is None:
+            raise CheckpointExistsError(
+                f"{backend.display(name)} is already a committed checkpoint, and intact (every "
+                "file re-verified against its manifest); save a different step, or delete it "
+                "first (statereg never overwrites an intact committed checkpoint)"
+            )
+        damage, writer = found, manifest.data_dir(name) if manifest.writer else None
+    retire_damaged(backend, name, damage, writer)
+
+
+def recheck(backend: StorageBackend, ckpt: Committed) -> CorruptCheckpointError | None:
+    """Why committed checkpoint `ckpt` cannot load, re-verified: a file it records (its own
+    or one it references) missing, resized, or with another checksum; None if it is intact.
+    Reads every byte of it, in bounded blocks."""
+    damage = file_damage(backend, ckpt, Listings(backend))
+    if damage is not None:
+        return damage
+    try:
+        verify_files(backend, "", list(ckpt.manifest.root_files(ckpt.name)), "full")
+    except CorruptCheckpointError as exc:
+        return exc
+    return None
+
+
+def retire_damaged(backend: StorageBackend, name: str, damage: StateregError,
+                   writer: str | None = None) -> None:
+    """Uncommit damaged checkpoint `name` so a save of its step can replace it: mark it
+    retired (as retention marks what it deletes), then delete its manifest and the writer
+    directory its manifest named; the save's claim then removes the rest as leftovers, and
+    gc or the next retention finishes an interrupted one. Refused (CheckpointExistsError)
+    while another checkpoint references its files or may (an unreadable manifest of a
+    higher step): deleting them would damage that one too."""
+    shown = backend.display(name)
+    scan = scan_root(backend)
+    readers = sorted(c.name for c in scan.committed if c.name != name
+                     and any(r.path.startswith(f"{name}/") for r in c.manifest.references))
+    step = step_of(name) or 0
+    readers += sorted(u for u in scan.unreadable if u != name and (step_of(u) or 0) > step)
+    if readers:
+        raise CheckpointExistsError(
+            f"{shown} is damaged ({damage}), but {backend.display(readers[0])} references or "
+            f"may reference its files, so this save cannot replace it: save a different step, "
+            f"or delete {', '.join(readers)} and {name} by hand"
+        )
+    logger.warning("%s is damaged (%s); this save of its step retires it: its manifest and "
+                   "files are deleted and the new checkpoint takes its place", shown, damage)
+    backend.write_bytes(f"{name}/{RETIRED_NAME}", b"")
+    for path in (f"{name}/{MANIFEST_NAME}", f"{name}/{MANIFEST_SUM_NAME}"):
+        try:
+            backend.remove_file(path)
+        except (FileNotFoundError, StorageError):
+            if backend.exists(path):  # another saver of this step removed it first: fine
+                raise
+    if writer is not None:
+        backend.remove_tree(writer)
 
 
 def refuse_referenced(backend: StorageBackend, name: str) -> None:
@@ -427,7 +503,7 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
     hidden: list[int] = []
     attempts = 0
     while attempts < _CLAIM_ATTEMPTS:
-        refuse_committed(backend, name)
+        refuse_committed(backend, name, retire=purpose == "save")
         numbers = read_claims(backend, name)
         number, why = 0, ""
         if numbers:
@@ -497,8 +573,12 @@ def claim_checkpoint(backend: StorageBackend, name: str, purpose: str = "save") 
             if leftovers:
                 refuse_referenced(backend, name)
             if leftovers and purpose != "gc":
-                logger.warning("removing leftovers of an interrupted %s in %s%s", purpose,
-                               backend.display(name), f" (claimed by {why})" if why else "")
+                if RETIRED_NAME in leftovers:  # a retired checkpoint's files: said already
+                    logger.info("removing the files of the retired checkpoint in %s",
+                                backend.display(name))
+                else:
+                    logger.warning("removing leftovers of an interrupted %s in %s%s", purpose,
+                                   backend.display(name), f" (claimed by {why})" if why else "")
                 for entry in leftovers:
                     backend.remove_tree(f"{name}/{entry}")
             if hidden and purpose != "gc":  # gc removes the whole directory itself

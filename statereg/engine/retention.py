@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from statereg.backends.base import StorageBackend
 from statereg.engine.checkpoints import (
+    RETIRED_NAME,
     Committed,
     RootScan,
     read_latest,
@@ -53,12 +54,6 @@ def kept_names(committed: list[Committed], save: SaveSpec, latest: str | None) -
         keep.add(latest)
     return keep
 
-
-RETIRED_NAME = ".retired"
-"""Written into a checkpoint directory just before retention removes its manifest, removed
-with the last of its files: a directory with it and without a manifest is what a retention
-left (interrupted, or keeping files a kept checkpoint references), and the next retention
-deletes what of it nothing needs any more."""
 
 
 def _remove(backend: StorageBackend, path: str) -> None:
