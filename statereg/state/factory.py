@@ -9,6 +9,7 @@ import torch
 from statereg.errors import CheckpointMismatchError, SpecError
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.ddp import DDPBucketLayout
+from statereg.state.loader_workers import carry_worker_generators
 from statereg.state.model import ModelAdapter
 from statereg.state.objects import DataloaderAdapter, ObjectAdapter
 from statereg.state.optimizer import OptimizerAdapter, is_zero
@@ -150,6 +151,7 @@ def build_adapters(spec: RegistrySpec, objects: dict[str, Any]) -> dict[str, Ada
                 adapters[name] = OptimizerAdapter(name, optimizer, model)
         elif comp.kind == "dataloader":
             adapters[name] = DataloaderAdapter(name, comp.kind, objects[name])
+            carry_worker_generators(objects[name], name)
         elif comp.resolved_format == "dcp":
             adapters[name] = ObjectTensors(ObjectAdapter(name, comp.kind, objects[name]))
         else:
