@@ -238,3 +238,23 @@ def test_a_dcp_object_of_another_shape_is_a_mismatch_and_the_run_keeps_saving(
         assert torch.equal(other.state["t"], torch.zeros(5))  # untouched
         mgr.save(step=2)  # the failed load changed nothing, so saving goes on
     assert (tmp_path / "step_00000002" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("value", ["coo", "csr", "nested", "quantized"])
+def test_a_dcp_object_holding_a_tensor_dcp_cannot_store_is_refused_before_any_file(
+        tmp_path: Path, value: str) -> None:
+    tensor = {"coo": lambda: torch.eye(3).to_sparse(),
+              "csr": lambda: torch.eye(3).to_sparse_csr(),
+              "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+              "quantized": lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0,
+                                                             torch.qint8)}[value]()
+    spec = {"storage": {"url": str(tmp_path)},
+            "components": {"obj": {"kind": "custom", "format": "dcp"}}}
+    obj = Shaped(2)
+    obj.state["nested"]["odd"] = tensor
+    refusal = (r"component 'obj' \(custom, format dcp\): entry 'nested.odd' is a .*declare "
+               r"the component format: torch")
+    with statereg.CheckpointManager(spec, obj=obj) as mgr, pytest.raises(SpecError,
+                                                                          match=refusal):
+        mgr.save(step=1)
+    assert list(tmp_path.iterdir()) == []
