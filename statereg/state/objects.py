@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from typing import Any
 
 import torch
 
-from statereg.errors import LoadOrderError, SpecError
+from statereg.errors import CheckpointMismatchError, LoadOrderError, SpecError
+
+# Where a dataloader component's saved state records what the loader was (loader_shape):
+# beside the loader's own keys, taken out again before the loader sees the state.
+LOADER_SHAPE_KEY = "statereg_loader"
 
 
 class ObjectAdapter:
@@ -30,6 +35,9 @@ class ObjectAdapter:
 
     def check_ready(self) -> None:
         """Raise if saved state can no longer be applied correctly (checked before loading)."""
+
+    def check_state(self, state: Any) -> None:
+        """Raise if the saved `state` does not fit the live object (checked before loading)."""
 
     def restore(self, state: Any) -> None:
         scheduler = isinstance(self.obj, torch.optim.lr_scheduler.LRScheduler) and isinstance(
@@ -66,8 +74,119 @@ class ObjectAdapter:
         return method(states, rank, world_size)
 
 
+def _sampler_of(loader: Any) -> Any:
+    """The sampler that orders the loader's samples, through the batch samplers that wrap it
+    (torch's BatchSampler, accelerate's BatchSamplerShard)."""
+    batches = getattr(loader, "batch_sampler", None)
+    for holder in (batches, getattr(batches, "batch_sampler", None)):
+        sampler = getattr(holder, "sampler", None)
+        if sampler is not None:
+            return sampler
+    return getattr(loader, "sampler", None)
+
+
+def _shuffles(sampler: Any) -> bool | None:
+    """Whether `sampler` draws a random order: torch's and torchdata's RandomSampler (and
+    subclasses such as accelerate's SeedableRandomSampler) do, a SequentialSampler does
+    not, a DistributedSampler (or Lightning's wrapper) says so in `shuffle`; None if unknown."""
+    if isinstance(sampler, torch.utils.data.SequentialSampler):
+        return False
+    if isinstance(sampler, torch.utils.data.RandomSampler) or any(
+            cls.__name__ == "RandomSampler" for cls in type(sampler).__mro__):
+        return True
+    shuffle = getattr(sampler, "shuffle", None)
+    return shuffle if isinstance(shuffle, bool) else None
+
+
+def loader_shape(loader: Any) -> dict[str, Any] | None:
+    """What decides which samples a data loader yields and in which batches: its batch size,
+    dataset length, whether it shuffles and drops the last batch (None for what it does not
+    say); None if `loader` is no data loader (no `dataset`).
+
+    A saved position (StatefulDataLoader's sample and batch counts) only means the same
+    place in the data if these are unchanged; the dataloader component records them."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        return None
+    batches = getattr(loader, "batch_sampler", None)
+    batch_size = getattr(loader, "batch_size", None)
+    for holder in (batches, getattr(batches, "batch_sampler", None)):
+        if batch_size is None:
+            batch_size = getattr(holder, "batch_size", None)
+    length = None
+    if isinstance(dataset, Sized):
+        try:
+            length = len(dataset)
+        except TypeError:  # an IterableDataset whose __len__ raises
+            length = None
+    drop_last = getattr(loader, "drop_last", None)
+    return {"batch_size": batch_size if isinstance(batch_size, int) else None,
+            "dataset_length": length,
+            "shuffle": _shuffles(_sampler_of(loader)),
+            "drop_last": drop_last if isinstance(drop_last, bool) else None}
+
+
+_SHAPE_WORDS = {"batch_size": "batch size", "dataset_length": "dataset length",
+                "shuffle": "shuffle", "drop_last": "drop_last"}
+
+
+def with_loader_shape(state: Any, loader: Any) -> Any:
+    """The loader's `state` with its loader_shape recorded beside it (a dict state only)."""
+    shape = loader_shape(loader)
+    if shape is None or not isinstance(state, dict):
+        return state
+    return {**state, LOADER_SHAPE_KEY: shape}
+
+
+def check_loader_shape(name: str, state: Any, loader: Any, fix: str) -> Any:
+    """`state` without the recorded loader shape, after checking that the live `loader` has
+    the same one; CheckpointMismatchError naming each change and `fix` otherwise.
+
+    A resume with another batch size would continue silently on another data stream, and
+    torchdata's own load fails with a bare StopIteration (a shorter dataset) or
+    AssertionError (shuffle turned off): neither says what changed. A state saved before
+    the shape was recorded is let through unchecked."""
+    if not isinstance(state, dict) or LOADER_SHAPE_KEY not in state:
+        return state
+    saved = state[LOADER_SHAPE_KEY]
+    rest = {k: v for k, v in state.items() if k != LOADER_SHAPE_KEY}
+    live = loader_shape(loader)
+    if live is None or not isinstance(saved, dict):
+        return rest
+    changed = [f"{_SHAPE_WORDS[key]} {saved.get(key)!r} -> {live[key]!r}"
+               for key in _SHAPE_WORDS
+               if saved.get(key) is not None and live[key] is not None
+               and saved.get(key) != live[key]]
+    if changed:
+        raise CheckpointMismatchError(
+            f"component {name!r}: the data loader is not the one the checkpoint saved "
+            f"({', '.join(changed)}), so its saved position would continue another data "
+            f"stream; build the loader as when saved to resume exactly, or {fix}")
+    return rest
+
+
 class DataloaderAdapter(ObjectAdapter):
-    """A dataloader (e.g. torchdata's StatefulDataLoader); refuses to rewind one mid-iteration."""
+    """A dataloader (e.g. torchdata's StatefulDataLoader); refuses to rewind one
+    mid-iteration, and a saved position that belongs to another loader (check_loader_shape).
+
+    An object that wraps a loader (an integration's) names it with `live_loader()`: None
+    while the loader does not exist yet, and then the shape stays in the state for the
+    wrapper to check (check_loader_shape) when its loader exists."""
+
+    fix = ("leave this component out of the load (exclude=[...]) to start the loader's "
+           "epoch afresh")
+
+    def _live_loader(self) -> Any:
+        live = getattr(self.obj, "live_loader", None)
+        return live() if callable(live) else self.obj
+
+    def capture(self) -> Any:
+        return with_loader_shape(self.obj.state_dict(), self._live_loader())
+
+    def check_state(self, state: Any) -> None:
+        loader = self._live_loader()
+        if loader is not None:
+            check_loader_shape(self.name, state, loader, self.fix)
 
     def check_ready(self) -> None:
         # StatefulDataLoader keeps its live iterator in `_iterator`; its own state_dict()
@@ -82,9 +201,19 @@ class DataloaderAdapter(ObjectAdapter):
 
     def restore(self, state: Any) -> None:
         self.check_ready()
+        loader = self._live_loader()
+        if loader is not None:
+            state = check_loader_shape(self.name, state, loader, self.fix)
         super().restore(state)
         if callable(getattr(type(self.obj), "_get_iterator", None)):
             self._build_resumed_iterator_outside_the_global_rng()
+
+    def reshard(self, states: list[Any], rank: int, world_size: int) -> Any:
+        """As ObjectAdapter.reshard, from the saved states without their recorded shape
+        (another world size may split the data otherwise; the object decides)."""
+        return super().reshard([{k: v for k, v in s.items() if k != LOADER_SHAPE_KEY}
+                                if isinstance(s, dict) else s for s in states],
+                               rank, world_size)
 
     def _build_resumed_iterator_outside_the_global_rng(self) -> None:
         """Let StatefulDataLoader build its resumed iterator where it would, but under fork_rng.

@@ -80,6 +80,11 @@ class ObjectState(Protocol):
         """Raise if saved state could no longer be applied correctly (before any load)."""
         ...
 
+    def check_state(self, state: Any) -> None:
+        """Raise CheckpointMismatchError if the saved `state` does not fit the live object
+        (before any load: e.g. a dataloader position saved for another batch size)."""
+        ...
+
     def restore(self, state: Any) -> None:
         ...
 

@@ -31,6 +31,9 @@ class RNGAdapter:
     def check_ready(self) -> None:
         """Generators can be restored at any time."""
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Any process's generator states fit this one's."""
+
     def restore(self, state: dict[str, Any]) -> None:
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])

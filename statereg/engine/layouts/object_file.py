@@ -59,4 +59,5 @@ class ObjectFileLayout:
         adapter.check_ready()
         state = (adapter.reshard(states, ctx.world.rank, ctx.world.size)
                  if task.policy == "reshard" else states[0])
+        adapter.check_state(state)  # e.g. a loader's position saved for another loader
         return Prepared(lambda: adapter.restore(state))
