@@ -9,14 +9,21 @@ checkpoint damaged. Everything here only reads.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import check_size, checksum_of, missing, new_hasher
-from statereg.errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
+from statereg.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+    StorageError,
+)
 from statereg.schemas.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 logger = logging.getLogger("statereg")
@@ -123,6 +130,40 @@ def read_manifest_at(backend: StorageBackend, name: str, check: bool = True) -> 
     return manifest
 
 
+# -- entries this run cannot read ---------------------------------------------------------
+
+# Errors of a read that say the entry itself is not this user's to read (another user's
+# folder on a shared root) or not a folder at all (garbage under a checkpoint's name), never
+# an outage: the root's listing just worked.
+_REFUSALS = frozenset({errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP, errno.EISDIR,
+                       errno.ENAMETOOLONG})
+_named: set[tuple[str, str]] = set()  # (entry URL, why) already warned about
+_named_lock = threading.Lock()
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether a StorageError of a read under one entry means that entry cannot be read by
+    this user or is not a directory (permission denied, a file or garbage under a
+    checkpoint's name), rather than that the store is unreachable."""
+    cause = exc.__cause__
+    return (isinstance(exc, StorageError) and isinstance(cause, OSError)
+            and cause.errno in _REFUSALS)
+
+
+def skip_entry(backend: StorageBackend, name: str, exc: BaseException) -> None:
+    """Say once per process that entry `name` is skipped as not this run's: listings,
+    resume, retention and gc go on with the rest of the root."""
+    shown = backend.display(name)
+    key = (shown, type(exc.__cause__).__name__)
+    with _named_lock:
+        if key in _named:
+            return
+        _named.add(key)
+    logger.warning("skipping %s: this user cannot read it as a checkpoint (%s); statereg "
+                   "treats it as not this run's (another user's, or not a checkpoint) and "
+                   "goes on with the rest of the root", shown, exc)
+
+
 # What happens to a damaged checkpoint a resume skips (claims.retire_damaged).
 _RETIRES = " (the run's save of step %d re-verifies it and, damaged, replaces it)"
 
@@ -132,6 +173,11 @@ def _usable(backend: StorageBackend, name: str, damaged: list[Exception]) -> Com
     try:
         return Committed(name, read_manifest_at(backend, name))
     except CheckpointNotFoundError:
+        return None
+    except StorageError as exc:
+        if not refused(exc):
+            raise
+        skip_entry(backend, name, exc)
         return None
     except ManifestError as exc:
         logger.warning("skipping %s: %s", backend.display(name), exc)
@@ -202,6 +248,9 @@ class RootScan:
     committed: list[Committed]
     unreadable: dict[str, Exception]
     damaged: dict[str, CorruptCheckpointError] = field(default_factory=dict)
+    # Entries under a checkpoint's name this user cannot read at all (another user's
+    # folder, a file): not this run's, skipped by everything (`skip_entry`), shown by gc.
+    refused: dict[str, StorageError] = field(default_factory=dict)
 
     @property
     def intact(self) -> list[Committed]:
@@ -228,13 +277,18 @@ def scan_root(backend: StorageBackend, check_files: bool = False) -> RootScan:
     `check_files`: also check every committed checkpoint's files against the sizes in its
     manifest (`damaged`), at one listing per directory that holds them.
     """
-    found, unreadable = [], {}
+    found, unreadable, skipped = [], {}, {}
     for name in sorted((n for n in backend.list_dir("") if step_of(n) is not None),
                        key=step_of):
         try:
             found.append(Committed(name, read_manifest_at(backend, name)))
         except CheckpointNotFoundError:
             continue
+        except StorageError as exc:
+            if not refused(exc):
+                raise
+            skip_entry(backend, name, exc)
+            skipped[name] = exc
         except (ManifestError, CorruptCheckpointError) as exc:
             logger.warning("skipping %s: %s", backend.display(name), exc)
             unreadable[name] = exc
@@ -247,7 +301,7 @@ def scan_root(backend: StorageBackend, check_files: bool = False) -> RootScan:
                 logger.warning("skipping %s, which is damaged: %s", backend.display(ckpt.name),
                                damage)
                 damaged[ckpt.name] = damage
-    return RootScan(found, unreadable, damaged)
+    return RootScan(found, unreadable, damaged, skipped)
 
 
 def list_committed(backend: StorageBackend) -> list[Committed]:

@@ -35,7 +35,9 @@ from statereg.engine.checkpoints import (
     file_damage,
     read_manifest_at,
     referenced_files,
+    refused,
     scan_root,
+    skip_entry,
     step_of,
 )
 from statereg.engine.verify import verify_files
@@ -430,7 +432,13 @@ def reserved_checkpoints(backend: StorageBackend, names: Iterable[str]) -> set[s
     """The checkpoints that live claims in directories `names` say their saves may reference."""
     held = set()
     for name in names:
-        numbers = read_claims(backend, name)
+        try:
+            numbers = read_claims(backend, name)
+        except StorageError as exc:  # another user's folder: no claim of this run's
+            if not refused(exc):
+                raise
+            skip_entry(backend, name, exc)
+            continue
         info = read_claim(backend, name, numbers[-1]) if numbers else None
         if info is not None and info.reuses and claim_state(info)[0]:
             held.add(info.reuses)

@@ -20,7 +20,9 @@ from statereg.engine.checkpoints import (
     RootScan,
     read_manifest_at,
     referenced_files,
+    refused,
     scan_root,
+    skip_entry,
     step_of,
 )
 from statereg.engine.claims import (
@@ -55,6 +57,7 @@ UPLOAD = "incomplete upload"
 DAMAGED = "unparsable manifest"
 DAMAGED_FILES = "damaged checkpoint"
 UPLOADS_UNLISTED = "incomplete uploads"
+UNREADABLE = "unreadable entry"
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,14 @@ def _directory(backend: StorageBackend, name: str, grace_s: float, now: float,
     return Leftover(UNCOMMITTED, name, sum(f.size for f in files), age, action)
 
 
+def _refused(name: str, exc: StorageError) -> Leftover:
+    """An entry under a checkpoint's name this user cannot read (another user's folder on a
+    shared root, a file): not this run's, so gc neither reads nor deletes it."""
+    return Leftover(UNREADABLE, name, 0, None,
+                    f"keep: this user cannot read it ({exc}); not this run's: its owner "
+                    "deletes it, or rename it if it is garbage")
+
+
 def find_leftovers(backend: StorageBackend, grace_s: float = DEFAULT_GRACE_S,
                    now: float | None = None) -> list[Leftover]:
     """Everything gc would remove under the root, and what it would keep and why."""
@@ -163,8 +174,16 @@ def find_leftovers(backend: StorageBackend, grace_s: float = DEFAULT_GRACE_S,
             f"`statereg verify`, then delete {name} by hand (retention neither counts nor "
             "deletes it)"))
     for entry in backend.list_dir(""):
-        if step_of(entry) is not None:
-            leftover = _directory(backend, entry, grace_s, now, needed, scan, held)
+        if entry in scan.refused:
+            found.append(_refused(entry, scan.refused[entry]))
+        elif step_of(entry) is not None:
+            try:
+                leftover = _directory(backend, entry, grace_s, now, needed, scan, held)
+            except StorageError as exc:
+                if not refused(exc):
+                    raise
+                skip_entry(backend, entry, exc)
+                leftover = _refused(entry, exc)
             if leftover is not None:
                 found.append(leftover)
         elif _TEMPORARY.search(entry) and entry in stored:

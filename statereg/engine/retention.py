@@ -17,7 +17,9 @@ from statereg.engine.checkpoints import (
     RootScan,
     read_latest,
     referenced_files,
+    refused,
     scan_root,
+    skip_entry,
     step_of,
 )
 from statereg.engine.claims import (
@@ -125,8 +127,14 @@ def _retry_retired(backend: StorageBackend, scan: RootScan, doomed: set[str],
     known = {c.name for c in scan.committed} | set(scan.unreadable) | doomed
     finished = []
     for name in uncommitted_names(backend, known):
-        if RETIRED_NAME not in backend.list_dir(name) or scan.might_reference(name) \
-                or needed.blocks(name):
+        try:
+            retired = RETIRED_NAME in backend.list_dir(name)
+        except StorageError as exc:  # another user's folder: not this run's to finish
+            if not refused(exc):
+                raise
+            skip_entry(backend, name, exc)
+            continue
+        if not retired or scan.might_reference(name) or needed.blocks(name):
             continue
         if any(path.startswith(f"{name}/") for path in needed.files):
             _delete_unneeded(backend, name, needed)  # a saver of this step is refused there

@@ -13,15 +13,20 @@ entries on a root never stop a resume, nor the saves after it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+from other_user import OTHER, as_other_user, needs_root, shared_root
 from torch import nn
 
 import statereg
+import statereg.cli
 from statereg.backends.registry import open_backend
 from statereg.engine.checkpoints import checkpoint_name
 
@@ -149,3 +154,102 @@ def test_a_damaged_checkpoint_a_committed_one_references_is_not_retired(tmp_path
     assert "step_00000001 is damaged" in str(refused.value)
     assert "step_00000002" in str(refused.value)
     assert root.manager(model_of(4)).load().step == 2
+
+
+# -- entries this run cannot read ------------------------------------------------------
+
+
+def _unreadable_root(folder: str) -> None:
+    """The second user's steps 1-2 and root's entries: step 3 (committed, then made 0700),
+    a 0700 leftover at 5 and a retired 0700 one at 9, a file named like a checkpoint at 7."""
+    run = Root(folder, {}).manager(model_of(1))
+    for step in (1, 2, 3):
+        run.save(step)
+    run.close()
+    for top, dirs, files in os.walk(folder):  # the run's own: the second user's
+        for entry in [top] + [os.path.join(top, e) for e in dirs + files]:
+            if "step_00000003" not in entry:
+                os.lchown(entry, OTHER, OTHER)
+    os.chmod(f"{folder}/step_00000003", 0o700)
+    for step, marker in ((5, "model/__0_0.distcp"), (9, ".retired")):
+        os.makedirs(os.path.dirname(f"{folder}/{checkpoint_name(step)}/{marker}"),
+                    exist_ok=True)
+        with open(f"{folder}/{checkpoint_name(step)}/{marker}", "w") as f:
+            f.write("x")
+        os.chmod(f"{folder}/{checkpoint_name(step)}", 0o700)
+    with open(f"{folder}/step_00000007", "w") as f:
+        f.write("not a checkpoint")
+
+
+@needs_root
+def test_entries_this_user_cannot_read_are_skipped_never_failing_the_root():
+    """Issue 41, item 2: one unreadable folder (another user's, mode 0700) failed load(),
+    list(), `ls` and `gc` for the whole root with "Permission denied ... This user may not
+    write there". As uid 65534: each is skipped with one warning, the resume takes step 2,
+    the run saves 4 and 6 with keep_last, `ls` lists 1, 2, 4 and `gc` reports the entries
+    as kept, unreadable; a save of step 3 itself says this user cannot *read* it."""
+    with shared_root() as folder:
+        _unreadable_root(folder)
+        records: list[logging.LogRecord] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append(record)
+
+        def run() -> dict[str, Any]:
+            logging.getLogger("statereg").addHandler(Keep())
+            root = Root(folder, {})
+            mgr = root.manager(model_of(5), keep_last=3)
+            out: dict[str, Any] = {"resumed": mgr.load().step}
+            out["listed"] = [u.rsplit("/", 1)[1] for u in mgr.list()]
+            mgr.save(4)
+            mgr.save(6)
+            out["after"] = [u.rsplit("/", 1)[1] for u in mgr.list()]
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                out["ls"] = statereg.cli.main(["ls", folder])
+                out["gc"] = statereg.cli.main(["gc", folder, "--delete", "--grace", "0"])
+            out["printed"] = printed.getvalue()
+            try:
+                mgr.save(3)
+                out["save3"] = "saved"
+            except statereg.StateregError as exc:
+                out["save3"] = f"{type(exc).__name__}: {exc}"
+            out["warnings"] = [r.getMessage() for r in records if r.levelname == "WARNING"]
+            return out
+
+        got = as_other_user(run)
+        for step in (3, 5, 7, 9):  # the other user's: untouched
+            assert os.path.lexists(f"{folder}/{checkpoint_name(step)}")
+    assert got["resumed"] == 2
+    assert got["listed"] == ["step_00000001", "step_00000002"]
+    assert got["after"] == ["step_00000002", "step_00000004", "step_00000006"]
+    assert got["ls"] == 0 and got["gc"] == 0
+    for step in (3, 5, 7):
+        named = [w for w in got["warnings"] if f"step_{step:08d}:" in w and "skipping" in w]
+        assert len(named) == 1, (step, got["warnings"])  # once, not at every listing
+    for step in (3, 5, 7, 9):
+        assert f"step_{step:08d}  unreadable entry" in got["printed"]  # gc: kept
+    assert not any("retention failed" in w for w in got["warnings"]), got["warnings"]
+    assert "may not read there" in got["save3"] and "may not write" not in got["save3"]
+    assert all("may not write" not in w for w in got["warnings"])
+
+
+@needs_root
+def test_a_refused_read_is_not_called_a_write_failure():
+    with shared_root() as folder:
+        os.makedirs(f"{folder}/private")
+        with open(f"{folder}/private/file", "w") as f:
+            f.write("x")
+        os.chmod(f"{folder}/private", 0o700)
+
+        def read() -> str:
+            try:
+                open_backend(folder).read_bytes("private/file")
+            except statereg.StorageError as exc:
+                return str(exc)
+            return "read"
+
+        message = as_other_user(read)
+    assert "Permission denied" in message and "may not read there" in message
+    assert "may not write" not in message and "credentials" not in message

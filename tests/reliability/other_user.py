@@ -1,0 +1,67 @@
+"""Run a function as a real second user (uid/gid 65534, nobody) in a forked child, for the
+tests of entries on a shared root that this run cannot read. Tests run as root, which reads
+everything: the run under test is the child, and the other user's entries are root's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+OTHER = 65534  # nobody
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+
+
+@contextmanager
+def shared_root() -> Iterator[str]:
+    """A fresh folder every user may write (mode 0777, under the system's temporary folder,
+    which the second user can reach), removed afterwards."""
+    folder = tempfile.mkdtemp(prefix="statereg-shared-")
+    os.chmod(folder, 0o777)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def as_other_user(work: Callable[[], Any]) -> Any:
+    """`work()` in a forked child running as uid/gid 65534; its JSON result, or its error
+    raised here as AssertionError naming the exception. Modules it needs must be imported
+    already: the child may not read the interpreter's own folder."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        status = 1
+        answer = '{"error": "no answer"}'
+        try:
+            os.close(read)
+            torch.set_num_threads(1)
+            os.setgroups([])
+            os.setgid(OTHER)
+            os.setuid(OTHER)
+            answer = json.dumps({"ok": work()})
+            status = 0
+        except BaseException as exc:  # reported to the parent
+            answer = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            try:
+                os.write(write, answer.encode())
+            finally:
+                os._exit(status)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 1 << 16):
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    result = json.loads(b"".join(chunks) or b'{"error": "no answer"}')
+    assert "error" not in result, result["error"]
+    return result["ok"]
