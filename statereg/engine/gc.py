@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from statereg.backends.base import IncompleteUpload, StorageBackend
 from statereg.engine.checkpoints import (
+    Committed,
     RootScan,
     read_manifest_at,
     referenced_files,
@@ -43,7 +44,7 @@ from statereg.errors import (
     StateregError,
     StorageError,
 )
-from statereg.schemas.manifest import MANIFEST_NAME
+from statereg.schemas.manifest import MANIFEST_NAME, WRITER_DIR_PREFIX
 
 logger = logging.getLogger("statereg")
 
@@ -58,6 +59,7 @@ DAMAGED = "unparsable manifest"
 DAMAGED_FILES = "damaged checkpoint"
 UPLOADS_UNLISTED = "incomplete uploads"
 UNREADABLE = "unreadable entry"
+ORPHAN_WRITER = "orphan writer directory"
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,43 @@ def _refused(name: str, exc: StorageError) -> Leftover:
                     "deletes it, or rename it if it is garbage")
 
 
+def _orphans(backend: StorageBackend, ckpt: Committed) -> list[str]:
+    """The writer directories in committed checkpoint `ckpt` that its manifest does not name:
+    on a store without conditional creates, what a save of the same step killed after its
+    data writes left beside the one that committed (or a racing saver's, which lost)."""
+    own = ckpt.manifest.data_dir(ckpt.name)
+    try:
+        entries = backend.list_dir(ckpt.name)
+    except StorageError as exc:
+        if not refused(exc):
+            raise
+        skip_entry(backend, ckpt.name, exc)
+        return []
+    return [f"{ckpt.name}/{e}" for e in entries
+            if e.startswith(WRITER_DIR_PREFIX) and f"{ckpt.name}/{e}" != own]
+
+
+def _orphan_writers(backend: StorageBackend, ckpt: Committed, grace_s: float, now: float,
+                    needed: set[str]) -> list[Leftover]:
+    """Leftovers for `_orphans` of `ckpt`: deletable past the grace period, unless a live
+    claim holds the step (a racing saver writes it now) or a manifest references a file."""
+    found = []
+    numbers = read_claims(backend, ckpt.name)
+    live, why = (claim_state(read_claim(backend, ckpt.name, numbers[-1]), now) if numbers
+                 else (False, ""))
+    for path in _orphans(backend, ckpt):
+        files = backend.walk(path)
+        times = [f.mtime for f in files if f.mtime is not None]
+        age = _age(max(times) if times else None, now)
+        action = _decide(age, grace_s)
+        if live:
+            action = f"keep: a save holds {ckpt.name} ({why})"
+        if any(p.startswith(f"{path}/") for p in needed):
+            action = "keep: committed incremental checkpoints reference files in it"
+        found.append(Leftover(ORPHAN_WRITER, path, sum(f.size for f in files), age, action))
+    return found
+
+
 def find_leftovers(backend: StorageBackend, grace_s: float = DEFAULT_GRACE_S,
                    now: float | None = None) -> list[Leftover]:
     """Everything gc would remove under the root, and what it would keep and why."""
@@ -190,6 +229,8 @@ def find_leftovers(backend: StorageBackend, grace_s: float = DEFAULT_GRACE_S,
             age = _age(stored[entry].mtime, now)
             found.append(Leftover(TEMPORARY, entry, stored[entry].size, age,
                                   _decide(age, grace_s)))
+    for ckpt in scan.committed:
+        found.extend(_orphan_writers(backend, ckpt, grace_s, now, needed))
     kept_dirs = {f.path for f in found if not f.deletable}
     try:
         uploads = backend.incomplete_uploads("")
@@ -219,6 +260,19 @@ def _remove(backend: StorageBackend, leftover: Leftover) -> Leftover:
     if leftover.kind == UPLOAD and leftover.upload is not None:
         backend.abort_upload(leftover.upload)
     elif leftover.kind == TEMPORARY:
+        backend.remove_tree(leftover.path)
+    elif leftover.kind == ORPHAN_WRITER:
+        # Looked at again now: its checkpoint's manifest still names another writer (a
+        # manifest that names this one, or none, keeps it), and no save holds the step.
+        name = leftover.path.split("/", 1)[0]
+        try:
+            ckpt = Committed(name, read_manifest_at(backend, name))
+        except StateregError as exc:
+            raise CheckpointExistsError(f"{name} changed since it was listed ({exc})") from None
+        if leftover.path not in _orphans(backend, ckpt) or _claimed(backend, name):
+            raise CheckpointExistsError(
+                f"{backend.display(leftover.path)} is in use again: a save of {name} holds "
+                "it, or its manifest names it now")
         backend.remove_tree(leftover.path)
     else:
         # Claim the directory as a saver would: that refuses it if a save started meanwhile

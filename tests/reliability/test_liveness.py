@@ -27,6 +27,7 @@ from torch import nn
 
 import statereg
 import statereg.cli
+import statereg.engine.gc
 from statereg.backends.registry import open_backend
 from statereg.engine.checkpoints import checkpoint_name
 
@@ -253,3 +254,39 @@ def test_a_refused_read_is_not_called_a_write_failure():
         message = as_other_user(read)
     assert "Permission denied" in message and "may not read there" in message
     assert "may not write" not in message and "credentials" not in message
+
+
+# -- orphan writer directories ---------------------------------------------------------
+
+
+def test_gc_finds_and_removes_the_writer_directory_a_killed_save_left(request, tmp_path):
+    """Issue 41, item 6: on a store without conditional creates, a save of step 3 killed
+    after its data writes leaves `step_00000003/writer-<token>/` beside the re-save's, which
+    commits. gc never reported it (under a milestone it stayed forever). Now the dry run
+    lists it, --delete removes it, and the committed checkpoint still verifies and loads."""
+    from storage_servers import new_bucket, s3_options
+    proxy = request.getfixturevalue("condition_ignoring_proxy")
+    root = Root(f"s3://{new_bucket(request.getfixturevalue('s3_admin'))}/run",
+                s3_options(proxy.endpoint))
+    run = root.manager(model_of(1))
+    run.save(3)
+    run.close()
+    backend = root.backend()
+    kept = data_file(root, 3)
+    assert "/writer-" in kept
+    # What the killed save left: its own writer directory, with its data files.
+    orphan = "step_00000003/writer-0123456789abcdef0123456789abcdef"
+    backend.write_bytes(f"{orphan}/model/__0_0.distcp", b"x" * 1000)
+    backend.write_bytes(f"{orphan}/model/.metadata", b"y" * 10)
+
+    listed = statereg.engine.gc.collect_garbage(backend, grace_s=0)
+    assert [(f.kind, f.path, f.size, f.action) for f in listed] == [
+        ("orphan writer directory", orphan, 1010, "delete")]
+    young = statereg.engine.gc.collect_garbage(backend, grace_s=3600)
+    assert young[0].action.startswith("keep: younger than the grace period")
+    done = statereg.engine.gc.collect_garbage(backend, delete=True, grace_s=0)
+    assert [(f.path, f.action) for f in done] == [(orphan, "deleted")]
+    assert not [f for f in backend.walk("step_00000003") if f.path.startswith(orphan)]
+    statereg.verify(f"{root.url}/step_00000003", root.options)
+    assert root.manager(model_of(2)).load().step == 3
+    assert statereg.engine.gc.collect_garbage(backend, grace_s=0) == []
