@@ -159,12 +159,13 @@ class CheckpointManager:
     # -- saving -------------------------------------------------------------------------
 
     def save(self, step: int, tokens_seen: int | None = None,
-             extra: dict[str, Any] | None = None) -> SaveHandle | None:
+             extra: dict[str, Any] | None = None) -> SaveHandle:
         """Save every attached component as checkpoint `step`; returns its URL (a SaveHandle).
 
         With `tiers:`, only the tiers due at `step` save (memory every tiers.memory.every
         steps, drained in the background every tiers.durable.every): the URL is the memory
-        checkpoint's, and None when no tier is due (docs/tiers.md).
+        checkpoint's, and when no tier is due the handle is empty (false, `handle.due` is
+        False) and nothing was saved (docs/tiers.md).
 
         With `save.async: thread` this returns once the state is copied to host memory;
         the write and commit run in the background (see `wait`). With `save.early_return`
@@ -177,7 +178,7 @@ class CheckpointManager:
             return self._save(step, tokens_seen, extra)
 
     def _save(self, step: int, tokens_seen: int | None,
-              extra: dict[str, Any] | None) -> SaveHandle | None:
+              extra: dict[str, Any] | None) -> SaveHandle:
         if self._damaged:
             names = ", ".join(sorted(self._damaged))
             raise StateregError(
@@ -197,8 +198,9 @@ class CheckpointManager:
             handle = self._tiers.save(self.plan, self._adapters, step, tokens_seen, extra)
         else:
             handle = self._saver.save(self.plan, self._adapters, step, tokens_seen, extra)
-        if handle is not None:
-            self._cadence.saved(step, clock() - started)
+        if handle is None:
+            return SaveHandle.not_due(step)
+        self._cadence.saved(step, clock() - started)
         return handle
 
     def should_save(self, step: int) -> bool:

@@ -33,11 +33,11 @@ from statereg.engine.save_steps import (
 )
 from statereg.engine.staging import LoopMark, StagingArea, mark_loop
 from statereg.engine.world import World, caught
-from statereg.errors import SpecError
+from statereg.errors import SpecError, StateregError
 from statereg.schemas.manifest import exact_int, int_text
 from statereg.schemas.spec import RegistrySpec
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,26 @@ class SaveHandle(str):
 
     _staged: Future[None] | None
     _committed: Future[SaveInfo]
+    due: bool  # False: nothing was due at this step (tiers), so nothing was saved
 
     def __new__(cls, url: str, staged: Future[None] | None = None,
                 committed: Future[SaveInfo] | None = None) -> SaveHandle:
         handle = super().__new__(cls, url)
         handle._staged = staged
         handle._committed = committed if committed is not None else Future()
+        handle.due = True
+        return handle
+
+    @classmethod
+    def not_due(cls, step: int) -> SaveHandle:
+        """The handle of a save() at which no tier was due: an empty URL (false in `if
+        handle:`), nothing to wait for, and info() says so."""
+        committed: Future[SaveInfo] = Future()
+        committed.set_exception(StateregError(
+            f"save(step={step}) saved nothing: no tier was due at this step (tiers.memory."
+            "every, tiers.durable.every); check handle.due before asking for its info"))
+        handle = cls("", committed=committed)
+        handle.due = False
         return handle
 
     def info(self) -> SaveInfo:

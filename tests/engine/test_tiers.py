@@ -461,7 +461,9 @@ def test_save_picks_the_due_tiers_and_retention_runs_per_tier(tmp_path: Path) ->
         handles.append(mgr.save(step))
         mgr.wait()
     memory = mgr._tiers.memory
-    assert handles[0] is None and handles[2] is None
+    assert not handles[0].due and not handles[2].due and handles[0] == ""
+    with pytest.raises(statereg.StateregError, match=r"save\(step=1\) saved nothing: no tier"):
+        handles[0].info()
     assert handles[1] == memory.display("step_00000002")
     assert steps_in(memory.url) == [10, 12]  # keep_last 2 (the default)
     assert steps_in(durable) == [8, 12]  # drained 4, 8, 12; keep_last 2
