@@ -52,7 +52,7 @@ from statereg.errors import (
 )
 from statereg.schemas.manifest import MANIFEST_NAME, WRITER_DIR_PREFIX
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 CLAIM_PREFIX = ".claim-"
 _CLAIM_NAME = re.compile(r"^\.claim-(\d{5,})$")
@@ -380,14 +380,18 @@ def retire_damaged(backend: StorageBackend, name: str, damage: StateregError,
     retired (as retention marks what it deletes), then delete its manifest and the writer
     directory its manifest named; the save's claim then removes the rest as leftovers, and
     gc or the next retention finishes an interrupted one. Refused (CheckpointExistsError)
-    while another checkpoint references its files or may (an unreadable manifest of a
-    higher step): deleting them would damage that one too."""
+    while another checkpoint references its files or may (a manifest of a higher step that
+    matches its sum but does not parse): deleting them would damage that one too."""
     shown = backend.display(name)
     scan = scan_root(backend)
     readers = sorted(c.name for c in scan.committed if c.name != name
                      and any(r.path.startswith(f"{name}/") for r in c.manifest.references))
+    # A manifest of a higher step that does not parse (a newer statereg's?) may reference
+    # its files; one that is damaged (not its sum) loads never, and a save of its step
+    # retires it in turn.
     step = step_of(name) or 0
-    readers += sorted(u for u in scan.unreadable if u != name and (step_of(u) or 0) > step)
+    readers += sorted(u for u, exc in scan.unreadable.items() if u != name
+                      and (step_of(u) or 0) > step and not isinstance(exc, CorruptCheckpointError))
     if readers:
         raise CheckpointExistsError(
             f"{shown} is damaged ({damage}), but {backend.display(readers[0])} references or "

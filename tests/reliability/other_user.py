@@ -4,10 +4,11 @@ everything: the run under test is the child, and the other user's entries are ro
 
 from __future__ import annotations
 
-import json
 import os
+import pickle
 import shutil
 import tempfile
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,27 +34,30 @@ def shared_root() -> Iterator[str]:
 
 
 def as_other_user(work: Callable[[], Any]) -> Any:
-    """`work()` in a forked child running as uid/gid 65534; its JSON result, or its error
-    raised here as AssertionError naming the exception. Modules it needs must be imported
-    already: the child may not read the interpreter's own folder."""
+    """`work()` in a forked child running as uid/gid 65534; its result (pickled back), or
+    its error raised here as AssertionError naming the exception and its traceback. Modules
+    it needs should be imported already."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         status = 1
-        answer = '{"error": "no answer"}'
+        answer = pickle.dumps({"error": "no answer"})
         try:
             os.close(read)
             torch.set_num_threads(1)
             os.setgroups([])
             os.setgid(OTHER)
             os.setuid(OTHER)
-            answer = json.dumps({"ok": work()})
+            answer = pickle.dumps({"ok": work()})
             status = 0
         except BaseException as exc:  # reported to the parent
-            answer = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+            answer = pickle.dumps({"error": f"{type(exc).__name__}: {exc}\n"
+                                            f"{traceback.format_exc()}"})
         finally:
             try:
-                os.write(write, answer.encode())
+                view = memoryview(answer)
+                while view:
+                    view = view[os.write(write, view):]
             finally:
                 os._exit(status)
     os.close(write)
@@ -62,6 +66,6 @@ def as_other_user(work: Callable[[], Any]) -> Any:
         chunks.append(chunk)
     os.close(read)
     os.waitpid(pid, 0)
-    result = json.loads(b"".join(chunks) or b'{"error": "no answer"}')
+    result = pickle.loads(b"".join(chunks)) if chunks else {"error": "no answer"}
     assert "error" not in result, result["error"]
     return result["ok"]

@@ -11,7 +11,12 @@ checkpoint must hold. After every step:
 - retention keeps the newest `keep_last` checkpoints that a listing can tell are loadable, every
   milestone (`keep_every`) and best (`keep_best`) one, and the one just saved;
 - no operation raises anything but a StateregError; the CLI prints one line to stderr and exits
-  non-zero on failure, and exits zero with nothing on stderr on success.
+  non-zero on failure, and exits zero with nothing on stderr on success;
+- liveness (issue 41): a restart (a new process, after any damage the model does, beside
+  leftovers and entries another user owns, as that other user too) resumes from the newest
+  intact checkpoint, and its saves of every following step commit, or raise a StateregError
+  naming that step for a cause the model knows is real (another user's entry there, a
+  planted claim, files another committed checkpoint references).
 
 CI runs few sequences (≤ 60 s in all); STATEREG_MODEL_EXAMPLES=N (per store) and
 STATEREG_MODEL_STEPS=N run it long, STATEREG_MODEL_SEED=N picks other sequences.
@@ -19,6 +24,7 @@ STATEREG_MODEL_STEPS=N run it long, STATEREG_MODEL_SEED=N picks other sequences.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -28,6 +34,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -55,6 +62,7 @@ from model_kit import (
     paused_at_first_file,
     run_cli,
 )
+from other_user import OTHER, as_other_user
 from reliability_kit import assert_identical
 from storage_servers import new_bucket, s3_options
 
@@ -129,6 +137,7 @@ class StorageModel(RuleBasedStateMachine):
         self.damage: dict[str, tuple[str, int]] = {}  # path -> (how, clock)
         self.bad_manifest: dict[int, int] = {}  # step -> clock
         self.claim_damaged: set[int] = set()
+        self.foreign: dict[int, str] = {}  # step -> what another user left under its name
         self.in_flight: str | None = None  # the directory of a save running meanwhile
         self.copied: dict[int, Ckpt] = {}
         self.listed: list[int] = []
@@ -237,7 +246,21 @@ class StorageModel(RuleBasedStateMachine):
         """Nothing committed is damaged and `step`'s directory holds no planted claim: a
         save must then succeed."""
         return (not self.bad_manifest and step not in self.claim_damaged
-                and all(self.intact(s) for s in self.ckpts))
+                and step not in self.foreign and all(self.intact(s) for s in self.ckpts))
+
+    def refusal(self, step: int) -> str | None:
+        """Why a save of `step` by a run that resumed below it may be refused, or None (it
+        must commit): the causes that stay until a person acts, each real and current."""
+        name = checkpoint_name(step)
+        if step in self.foreign:
+            return f"another user's {self.foreign[step]} is there"
+        if step in self.claim_damaged:
+            return "a planted claim is there"
+        readers = [s for s, c in self.ckpts.items()
+                   if s != step and any(p.startswith(f"{name}/") for p in c.deps)]
+        if readers:
+            return f"checkpoints {readers} reference files in it"
+        return None
 
     def record(self, step: int, writer: str, state: dict[str, Any], metric: float) -> None:
         deps: frozenset[str] = frozenset()
@@ -246,6 +269,8 @@ class StorageModel(RuleBasedStateMachine):
         if isinstance(manifest, statereg.Manifest):
             deps = frozenset(f.path for f in manifest.root_files(checkpoint_name(step)))
         self.ckpts[step] = Ckpt(step, writer, state, metric, deps, self.tick())
+        self.bad_manifest.pop(step, None)  # a damaged one this save retired
+        self.claim_damaged.discard(step)
 
     def settle(self, before: list[int], retired: set[int] = frozenset()) -> list[int]:
         """List again: nothing appears that was never committed, and no intact checkpoint
@@ -364,8 +389,13 @@ class StorageModel(RuleBasedStateMachine):
                 raise Violation(f"the copy of step {step} made by cp does not load: {error}")
         self.checked = seen
 
-    def check_resume(self, mgr: statereg.CheckpointManager, live: Live) -> None:
+    def check_resume(self, mgr: statereg.CheckpointManager, live: Live) -> Any:
+        """Resume into `live`; the LoadResult, None, or the StateregError (each checked)."""
         got = self.call("load()", mgr.load)
+        self.check_resumed(got, lambda ckpt, what: self.same(live, ckpt, what))
+        return got
+
+    def check_resumed(self, got: Any, same: Callable[[Ckpt, str], None]) -> None:
         newest = max((s for s in self.listed if self.intact(s)), default=None)
         if isinstance(got, statereg.StateregError):
             if newest is not None:
@@ -379,7 +409,7 @@ class StorageModel(RuleBasedStateMachine):
             return
         if got.step not in self.ckpts:
             raise Violation(f"resume loaded step {got.step}, which no save committed")
-        self.same(live, self.ckpts[got.step], "resume")
+        same(self.ckpts[got.step], "resume")
         if newest is not None and got.step < newest:
             raise Violation(f"resume returned step {got.step}, but step {newest} is intact")
 
@@ -679,6 +709,164 @@ class StorageModel(RuleBasedStateMachine):
         self.claim_damaged.add(step)
         self.settle(self.listed)
 
+    # -- restarts: the run comes back and goes on (liveness, issue 41) --------------------
+
+    def die(self) -> None:
+        """The job's processes end: every manager of either trainer stops."""
+        for mgr in [*self.mgrs.values(), *([self.other_mgr] if self.other_mgr else [])]:
+            with contextlib.suppress(BaseException):
+                mgr.close()
+        self.mgrs.clear()
+        self.other_mgr = None
+
+    def go_on_saving(self, resumed: int, step: int, error: Any, state: dict[str, Any],
+                     before: list[int]) -> None:
+        """The outcome of a restarted run's save of `step` (it resumed from `resumed`):
+        committed, or refused for a real, current cause the model knows, naming the step."""
+        self.check_refused(resumed, step, error)
+        self.after_save("main", step, state, step / 1000, error, before, self.rules_main,
+                        False)
+
+    def check_refused(self, resumed: int, step: int, error: Any) -> None:
+        why = self.refusal(step)
+        if error is not None:
+            if why is None:
+                raise Violation(f"a run resumed from step {resumed} cannot go on: its "
+                                f"save(step={step}) failed ({type(error).__name__}: {error}); "
+                                "nothing the user must act on is in its way")
+            if checkpoint_name(step) not in str(error):
+                raise Violation(f"save(step={step}) was refused ({why}) with an error that "
+                                f"does not name its directory: {error}")
+
+    def restart(self, mode: str, saves: int) -> None:
+        """A new process resumes (the newest intact checkpoint, checked) and saves the next
+        `saves` steps after the one it resumed from, training between them."""
+        self.die()
+        fresh = Live(97)
+        mgr = self.manager(fresh, mode, self.rules_main)
+        got = self.check_resume(mgr, fresh)
+        if isinstance(got, statereg.StateregError):
+            return  # nothing intact: nothing to go on from (check_resume checked that)
+        resumed = got.step if got is not None else 0
+        self.main, self.mgrs = fresh, {mode: mgr}
+        for step in range(resumed + 1, resumed + 1 + saves):
+            fresh.train()
+            before, state = self.listed, fresh.snapshot()
+
+            def save(step: int = step) -> None:
+                mgr.save(step=step, extra={"loss": step / 1000, "writer": "main"})
+                mgr.wait()
+
+            error = self.call(f"save(step={step}, {mode}) after a restart", save)
+            self.go_on_saving(resumed, step, error, state, before)
+        self.next_step = max(self.next_step, resumed + 1 + saves)
+
+    @rule(mode=st.sampled_from(SAVE_MODES), saves=st.integers(1, 3))
+    def restart_and_go_on(self, mode: str, saves: int) -> None:
+        self.note("restart_and_go_on", locals())
+        self.restart(mode, saves)
+
+    @rule(file=PICK, how=st.sampled_from(["flip", "truncate", "delete", "manifest.json",
+                                          "manifest.sum"]),
+          where=WHERE, mode=st.sampled_from(SAVE_MODES), saves=st.integers(1, 2))
+    def damage_the_newest_then_restart(self, file: int, how: str, where: float, mode: str,
+                                       saves: int) -> None:
+        """Issue 41's sequence: the newest checkpoint is damaged, the job restarts, resumes
+        from an older one, and saves the damaged one's step again (every restart)."""
+        self.note("damage_the_newest_then_restart", locals())
+        if how.startswith("manifest"):
+            self.damage_a_manifest(-1, how, ("garbage", "link", "fifo")[file % 3], file)
+        else:
+            self.damage_a_file(-1, file, how, where)
+        self.restart(mode, saves)
+
+    @rule(what=st.sampled_from(["leftover", "retired leftover", "file"]),
+          saves=st.integers(1, 3))
+    def restart_as_another_user(self, what: str, saves: int) -> None:
+        """On a shared root: another user (root here) leaves `what` under the next step's
+        name, mode 0700; the run, now a process of a second real user (uid 65534) that owns
+        the run's files, restarts, resumes and saves on. Local disk only, as root only."""
+        self.note("restart_as_another_user", locals())
+        if self.env.kind != "local" or os.geteuid() != 0:
+            return
+        self.die()
+        step, self.next_step = self.next_step, self.next_step + 1
+        name = checkpoint_name(step)
+        os.makedirs(self.root.path, exist_ok=True)
+        for top, dirs, files in os.walk(self.root.path):  # the run's files are its user's
+            for entry in [top, *(os.path.join(top, e) for e in dirs + files)]:
+                os.lchown(entry, OTHER, OTHER)
+        full = self.root.full(name)
+        if what == "file":
+            with open(full, "wb") as f:
+                f.write(b"not a checkpoint")
+        else:
+            marker = ".retired" if what == "retired leftover" else "model/__0_0.distcp"
+            os.makedirs(os.path.dirname(f"{full}/{marker}"), exist_ok=True)
+            with open(f"{full}/{marker}", "wb") as f:
+                f.write(b"x" * 64)
+        os.chmod(full, 0o700)
+        self.foreign[step] = what
+        url, opts, rules = self.root.url, self.opts, self.rules_main
+
+        def run() -> dict[str, Any]:
+            live = Live(96)
+            mgr = statereg.CheckpointManager(declaration(url, opts, "plain", rules),
+                                             **live.objects())
+            out: dict[str, Any] = {"saves": []}
+            try:
+                got = mgr.load()
+            except statereg.StateregError as exc:
+                out["resumed"] = exc
+                return out
+            out["resumed"] = None if got is None else SimpleNamespace(step=got.step)
+            out["state"] = live.snapshot()
+            start = got.step + 1 if got is not None else 1
+            for n in range(start, start + saves):
+                live.train()
+                state = live.snapshot()
+                try:
+                    mgr.save(step=n, extra={"loss": n / 1000, "writer": "main"})
+                    error = None
+                except statereg.StateregError as exc:
+                    error = exc
+                out["saves"].append((n, error, state))
+            mgr.close()
+            return out
+
+        outcome = as_other_user(run)
+        resumed = outcome["resumed"]
+        self.check_resumed(resumed, lambda ckpt, what: self.same_state(
+            outcome["state"], ckpt, f"{what} as a second user"))
+        if isinstance(resumed, statereg.StateregError):
+            return
+        # Its saves ran in another process: record what each committed, then check the
+        # listing and the last save's retention at once.
+        before, committed = self.listed, []
+        for n, error, state in outcome["saves"]:
+            self.check_refused(resumed.step if resumed else 0, n, error)
+            if error is None:
+                self.record(n, "main", state, n / 1000)
+                committed.append(n)
+        now = self.list_steps()
+        retired: set[int] = set()
+        if committed:
+            if committed[-1] not in now:
+                raise Violation(f"save(step={committed[-1]}) as a second user reported "
+                                f"success, but list() names only {now}")
+            retired = self.retention(self.rules_main, sorted({*before, *committed[:-1]}),
+                                     committed[-1], now)
+        self.settle(before, retired)
+        if outcome["saves"]:
+            self.next_step = max(self.next_step, outcome["saves"][-1][0] + 1)
+
+    def same_state(self, state: dict[str, Any], ckpt: Ckpt, what: str) -> None:
+        try:
+            assert_identical(state, ckpt.state, f"step {ckpt.step}")
+        except AssertionError as exc:
+            raise Violation(f"{what} returned other values than step {ckpt.step} saved "
+                            f"({exc})") from None
+
     # -- gc, cp, loads -------------------------------------------------------------------
 
     @rule(delete=st.booleans(), via_cli=st.booleans())
@@ -848,10 +1036,17 @@ def quiet() -> Iterator[None]:
 
 
 def local_env(tmp_path: Any) -> Env:
+    """Roots on local disk, in a folder a second user can reach (restart_as_another_user):
+    pytest's own temporary folders are root's alone. $STATEREG_MODEL_ROOTS picks where
+    (long runs: on tmpfs), else the system's temporary folder."""
     from fsspec.implementations.local import LocalFileSystem
 
+    base = tempfile.mkdtemp(prefix="statereg-model-", dir=os.environ.get("STATEREG_MODEL_ROOTS"))
+    os.chmod(base, 0o755)
+    atexit.register(shutil.rmtree, base, True)
+
     def make_root(name: str) -> Root:
-        path = str(tmp_path / name)
+        path = f"{base}/{name}"
         return Root(path, {}, LocalFileSystem(), path, local=True)
 
     return Env("local", make_root)
@@ -1065,3 +1260,25 @@ def test_regression_a_resume_after_an_unverified_damaged_load_holds_only_the_sav
            ("load_by_step", {"pick": 50, "verify": "off"}),
            ("cp_to_a_second_root", {"pick": 33, "via_cli": False}),
            ("resume", {}))
+
+
+# -- liveness (issue 41): each replays a sequence the new rules reach -------------------------
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "manifest.sum"])
+def test_regression_a_restart_past_a_damaged_newest_checkpoint_saves_its_step_again(
+        tmp_path, quiet, how):
+    # Issue 41, case 1: on every restart, save(2) raised CheckpointExistsError.
+    replay(tmp_path, {"keep_last": 2}, SAVE, SAVE,
+           ("damage_the_newest_then_restart", {"file": 1, "how": how, "where": 0.5,
+                                               "mode": "plain", "saves": 1}),
+           ("restart_and_go_on", {"mode": "incremental", "saves": 1}))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_regression_another_users_entries_never_stop_a_restart(tmp_path, quiet):
+    # Issue 41, case 2: one unreadable folder failed the resume for the whole root.
+    replay(tmp_path, {"keep_last": 1}, SAVE,
+           ("restart_as_another_user", {"what": "leftover", "saves": 2}),
+           ("restart_as_another_user", {"what": "retired leftover", "saves": 1}),
+           ("restart_as_another_user", {"what": "file", "saves": 1}), SAVE)
