@@ -24,10 +24,25 @@ Where it hooks, and why (the order decides exactness):
   its sampler's epoch, give it its saved position (statereg's `train_dataloader` component,
   one per rank), iterate it again, and only then restore the RNG, so the draws that making
   an iterator takes (DataLoader's base seed) do not shift the training stream.
-- `on_train_batch_end` (after the optimizer and the step-interval schedulers stepped): save.
+- `on_train_batch_end` (after the optimizer and the step-interval schedulers stepped): save,
+  but only after a batch whose optimizer step ran (global_step advanced). With
+  `accumulate_grad_batches` >= 2 the other batches end between the micro-batches of an
+  accumulation: a checkpoint there would hold the data position and generators past
+  micro-batches whose gradients it does not hold, and a resume from it would lose them. So no
+  cadence (steps, seconds, auto) saves there, and the first save comes after the first real
+  optimizer step (global_step 0 is never saved). Lightning's ModelCheckpoint skips step 0
+  the same way, but not a time-based save mid-accumulation.
 - `on_validation_start`/`end`: validation is made neutral to the training RNG stream (its
   state is put back when validation ends), so a resumed run, which does not repeat the
   validation of the saved step, draws exactly what an uninterrupted one draws.
+
+Saves are asynchronous unless the declaration says `save.async` (`thread` on CPU, `pinned` on
+CUDA): the fit waits only for the copy to host memory; `on_train_end` waits for the last
+save, and so does an exception that ends the fit (`on_exception`), before it propagates.
+
+A resume checks that the train dataloader is the one saved (batch size, dataset length,
+shuffle, drop_last): another one is refused with a CheckpointMismatchError naming the change
+(statereg.state.objects.check_loader_shape), before the loader is touched.
 
 A save after the last batch of an epoch resumes at the next epoch's start: the loader is not
 restored (it would be at its end), and its iterator is made again after the RNG is restored,
@@ -57,9 +72,11 @@ from torch.nn.parallel import DistributedDataParallel
 from statereg.declaration import load_spec, read_declaration
 from statereg.engine.load import LoadResult
 from statereg.errors import SpecError
+from statereg.integrations._common import declaration_dict, default_async
 from statereg.manager import CheckpointManager
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.ddp import DDPBucketLayout
+from statereg.state.objects import check_loader_shape
 from statereg.state.rng import RNGAdapter
 
 try:  # Lightning is needed only when this module is used: import it here, not in statereg
@@ -67,7 +84,7 @@ try:  # Lightning is needed only when this module is used: import it here, not i
 except ImportError:  # pragma: no cover - the standalone package
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 def _indexed(base: str, index: int) -> str:
@@ -132,6 +149,11 @@ class _TrainLoader:
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
         self.restored: dict[str, Any] | None = None
+
+    def live_loader(self) -> Any:
+        """The fit's train dataloader once Lightning built it (on_train_start), else None:
+        the dataloader adapter records its shape at a save and checks it at on_train_start."""
+        return self.trainer.train_dataloader
 
     def loader(self) -> Any:
         loader = self.trainer.train_dataloader
@@ -236,7 +258,7 @@ class StateregCheckpoint(pl.Callback):
                  mode: str = "min", save_top_k: int = 1, save_last: bool = True,
                  objects: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self._declared = (spec.model_dump(by_alias=True, exclude_defaults=True)
+        self._declared = (declaration_dict(spec, "StateregCheckpoint")[0]
                           if isinstance(spec, RegistrySpec) else read_declaration(spec))
         save = self._declared.setdefault("save", {})
         if every_n_train_steps is not None:
@@ -256,6 +278,10 @@ class StateregCheckpoint(pl.Callback):
         self.mgr: CheckpointManager | None = None
         self.restored: LoadResult | None = None
         self._saved_step: int | None = None
+        # global_step when the last batch began, and whether that batch stepped the optimizer
+        # (only then is the fit at an optimizer-step boundary, where a save may come).
+        self._step_seen: int | None = None
+        self._stepped = False
         self._logged_step: int | None = None
         self._rng = RNGAdapter("rng")
         self._loader: _TrainLoader | None = None
@@ -268,6 +294,8 @@ class StateregCheckpoint(pl.Callback):
 
     def _spec(self, trainer: pl.Trainer) -> RegistrySpec:
         data = dict(self._declared)
+        data["save"] = dict(data.get("save") or {})
+        default_async(data["save"], trainer.strategy.root_device)
         components: dict[str, Any] = dict(data.get("components") or {})
         defaults: dict[str, dict[str, Any]] = {
             "model": {"kind": "model"}, "rng": {"kind": "rng"},
@@ -321,8 +349,15 @@ class StateregCheckpoint(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.mgr is not None
         assert self._loader is not None
+        self._step_seen, self._stepped = trainer.global_step, False
         self._loader.loader()  # refuse a loader that cannot resume, before the first step
         self._loader.check_sized()
+        if self._loader.restored is not None:
+            self._loader.restored = check_loader_shape(
+                "train_dataloader", self._loader.restored, self._loader.loader(),
+                "start a new fit in another storage.url (statereg resumes the newest "
+                "checkpoint there), or give the callback a declaration without the "
+                "checkpoints of this run")
         # Lightning built the loader and made its first iterator, from the epoch's start.
         # Every fit makes it again here, so that what it draws follows a known state of the
         # generators: mid-epoch, the state the saved epoch's iterator found (so a sampler
@@ -377,21 +412,51 @@ class StateregCheckpoint(pl.Callback):
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         assert self.mgr is not None
         step = trainer.global_step
-        if step != self._saved_step and self._by_step and self.mgr.should_save(step):
+        # Every rank steps at the same batches, so a time-based cadence (collective) is
+        # asked on every rank alike.
+        self._stepped, self._step_seen = step != self._step_seen, step
+        if self._may_save(trainer) and self._by_step and self.mgr.should_save(step):
             self._save(trainer)
         self._log_saved(trainer)
 
+    def _may_save(self, trainer: pl.Trainer) -> bool:
+        """Whether the fit is at an optimizer-step boundary it has not saved yet: the last
+        batch stepped the optimizer (see the module docstring), so no gradients of later
+        micro-batches are pending."""
+        return self._stepped and trainer.global_step != self._saved_step
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         n = self.every_n_epochs
-        if n and (trainer.current_epoch + 1) % n == 0 and trainer.global_step != self._saved_step:
+        if n and (trainer.current_epoch + 1) % n == 0 and self._may_save(trainer):
             self._save(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.mgr is not None
-        if self.save_last and trainer.global_step != self._saved_step:
+        if self.save_last and self._may_save(trainer):
             self._save(trainer)
+        elif self.save_last and not self._stepped and trainer.global_step != self._saved_step \
+                and trainer.is_global_zero:
+            logger.warning(
+                "the fit ended between the micro-batches of a gradient accumulation (global "
+                "step %d): no checkpoint at its end, since a resume from it would lose their "
+                "gradients; the newest checkpoint is the last one at an optimizer step",
+                trainer.global_step)
         self.mgr.wait()
         self._log_saved(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        # Lightning calls no teardown hook of callbacks after an exception: commit the save in
+        # flight (a resume finds it) and stop the manager's thread here. A failure of that
+        # save is logged, not raised over the exception that ended the fit.
+        mgr, self.mgr = self.mgr, None
+        if mgr is None:
+            return
+        try:
+            mgr.close()
+        except Exception:
+            logger.exception("the last checkpoint's save failed as the fit ended with %s",
+                             type(exception).__name__)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.mgr is not None:

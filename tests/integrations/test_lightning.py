@@ -64,7 +64,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 # (processes, flags, save every N steps, SIGKILL after step K): 40 batches of 8 an epoch (20 a
-# rank at 2 ranks, 10 at 4), 2 epochs; the resume starts after the last save before K.
+# rank at 2 ranks, 10 at 4), 2 epochs; the resume starts after the last save before K (or
+# the one before it, if the kill came while that one was written).
 CASES: dict[str, tuple[int, tuple[str, ...], int, int]] = {
     "1-process-mid-epoch": (1, (), 5, 13),        # resumes at 11, in epoch 0
     "1-process-epoch-end": (1, (), 20, 43),       # resumes at 41, saved after epoch 0's end
@@ -81,9 +82,13 @@ def test_a_fit_killed_mid_run_resumes_bit_identical(tmp_path: Path, uninterrupte
     full = uninterrupted(devices, *flags)
     fit(tmp_path, "--root", "run", "--losses", "killed.txt", "--kill-at", str(kill), *common,
         killed=True)
+    # Saves are asynchronous by default: the kill may land while the last save before it is
+    # still being written, and the resume then starts from the one before.
+    newest = committed_steps(tmp_path / "run")[-1]
+    assert newest in (kill // every * every, kill // every * every - every)
     fit(tmp_path, "--root", "run", "--losses", "resumed.txt", *common)
     resumed = losses(tmp_path / "resumed.txt")
-    first = kill // every * every + 1
+    first = newest + 1
     assert sorted(resumed) == list(range(first, 80 // devices + 1))
     differ = [step for step in resumed if resumed[step] != full[step]]
     assert differ == [], f"{len(differ)} of {len(resumed)} resumed losses differ: {differ}"
@@ -219,3 +224,161 @@ def test_importing_statereg_and_its_integrations_imports_no_trainer() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
     assert done.stdout.strip() == "[]"
+
+
+# -- gradient accumulation: saves only at optimizer steps ----------------------------------
+
+
+class Killed(Exception):
+    """Raised from a callback to end a fit where a crash would."""
+
+
+class MicroBatches(pl.Callback):
+    """Records every micro-batch's loss (exact), and raises Killed after micro-batch
+    `kill_at` (0-based, counted over the fit)."""
+
+    def __init__(self, kill_at: int | None = None) -> None:
+        self.kill_at = kill_at
+        self.loss: dict[tuple[int, int], str] = {}
+        self.count = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.loss[(trainer.current_epoch, batch_idx)] = outputs["loss"].item().hex()
+        if self.count == self.kill_at:
+            raise Killed(f"killed after micro-batch {self.count}")
+        self.count += 1
+
+
+def committed_steps(root: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*")
+                  if (p / "manifest.json").exists())
+
+
+@pytest.mark.parametrize(("kill_at", "resumes_from"), [
+    (6, None),   # micro-batch 6 = step 4's first half: before the first save (step 5)
+    (14, 5),     # step 8's first half: after the save of step 5
+])
+def test_accumulation_killed_mid_accumulation_resumes_exactly(
+        tmp_path: Path, kill_at: int, resumes_from: int | None) -> None:
+    """accumulate_grad_batches=2, every 5 optimizer steps: no checkpoint is committed
+    between the two micro-batches of a step (the old callback committed step_00000000 after
+    the first micro-batch, without its gradient, and a run killed before step 5 resumed from
+    it on another stream), so the resume continues bit for bit."""
+    spec = {"storage": {"url": str(tmp_path / "full")}}
+    full = MicroBatches()
+    in_process_fit(tmp_path, StateregCheckpoint(spec, every_n_train_steps=5), full,
+                   accumulate_grad_batches=2)
+    assert len(full.loss) == 40
+    spec = {"storage": {"url": str(tmp_path / "run")}}
+    with pytest.raises(Killed):
+        in_process_fit(tmp_path, StateregCheckpoint(spec, every_n_train_steps=5),
+                       MicroBatches(kill_at=kill_at), accumulate_grad_batches=2)
+    assert committed_steps(tmp_path / "run") == ([] if resumes_from is None else [resumes_from])
+    resumed = MicroBatches()
+    in_process_fit(tmp_path, StateregCheckpoint(spec, every_n_train_steps=5), resumed,
+                   accumulate_grad_batches=2)
+    first = 0 if resumes_from is None else 2 * resumes_from
+    assert sorted(resumed.loss) == [(0, b) for b in range(first, 40)]
+    differ = [k for k in resumed.loss if resumed.loss[k] != full.loss[k]]
+    assert differ == [], f"{len(differ)} of {len(resumed.loss)} resumed losses differ"
+
+
+class FitLoopRecord:
+    """Reads a checkpoint's fit_loop component (Lightning's loop progress)."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
+def test_a_time_cadence_saves_only_after_optimizer_steps(tmp_path: Path) -> None:
+    """Due at every batch (every_seconds ~ 0), with accumulate_grad_batches=2 the callback
+    saves after each optimizer step and never after a first micro-batch: each checkpoint's
+    loop progress is 2 micro-batches per step; none is step 0."""
+    spec = {"storage": {"url": str(tmp_path / "ckpt")}}
+    in_process_fit(tmp_path, StateregCheckpoint(spec, train_time_interval=1e-9),
+                   accumulate_grad_batches=2, max_steps=6)
+    assert committed_steps(tmp_path / "ckpt") == [1, 2, 3, 4, 5, 6]
+    record = FitLoopRecord()
+    reader_spec = {"storage": {"url": str(tmp_path / "ckpt")},
+                   "components": {"fit_loop": {"kind": "custom", "format": "torch"}}}
+    with statereg.CheckpointManager(reader_spec, fit_loop=record) as reader:
+        for step in range(1, 7):
+            reader.load(step=step, strict=False)
+            done = record.state["epoch_loop.batch_progress"]["total"]["processed"]
+            assert done == 2 * step, f"step {step} was saved after {done} micro-batches"
+
+
+def async_mode(checkpoint: Path) -> str:
+    """The save.async a checkpoint was saved with (its manifest records the declaration)."""
+    return statereg.read_manifest(str(checkpoint)).spec.get("save", {}).get("async", "off")
+
+
+def test_saves_are_asynchronous_by_default_and_committed_when_the_fit_ends(
+        tmp_path: Path) -> None:
+    callback = StateregCheckpoint({"storage": {"url": str(tmp_path / "a")}},
+                                  every_n_train_steps=10)
+    in_process_fit(tmp_path, callback)
+    assert committed_steps(tmp_path / "a") == [10, 20, 30, 40]
+    assert async_mode(tmp_path / "a" / "step_00000040") == "thread"
+    # An explicit declaration wins, `off` included.
+    explicit = StateregCheckpoint({"storage": {"url": str(tmp_path / "b")},
+                                   "save": {"async": "off"}}, every_n_train_steps=10)
+    in_process_fit(tmp_path, explicit, max_steps=10)
+    assert async_mode(tmp_path / "b" / "step_00000010") == "off"
+    # An exception waits for the save in flight: the resume finds it.
+    with pytest.raises(Killed):
+        in_process_fit(tmp_path, StateregCheckpoint({"storage": {"url": str(tmp_path / "c")}},
+                                                    every_n_train_steps=10),
+                       MicroBatches(kill_at=9))
+    assert committed_steps(tmp_path / "c") == [10]
+
+
+# -- a resume with another train dataloader ----------------------------------------------
+
+
+def fit_with_loader(root: Path, callback: pl.Callback | None = None, **loader: Any) -> None:
+    """The example's model, its loader built with `loader` changes, 10 steps, saved at 5."""
+    example = load_example()
+
+    class Model(example.TinyModel):  # type: ignore[name-defined,misc]
+        def train_dataloader(self) -> Any:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            data = torch.Generator().manual_seed(0)
+            samples = loader.get("samples", 320)
+            x = torch.randn(samples, 16, generator=data)
+            return StatefulDataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)),
+                                      batch_size=loader.get("batch_size", 8),
+                                      shuffle=loader.get("shuffle", True))
+
+    torch.manual_seed(0)
+    trainer = pl.Trainer(max_steps=10, accelerator="cpu", devices=1, logger=False,
+                         callbacks=[StateregCheckpoint({"storage": {"url": str(root)}},
+                                                       every_n_train_steps=5),
+                                    *([callback] if callback else [])],
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Model())
+
+
+@pytest.mark.parametrize(("changed", "named"), [
+    ({"samples": 40}, "dataset length 320 -> 40"),   # torchdata: StopIteration
+    ({"shuffle": False}, "shuffle True -> False"),   # torchdata: AssertionError
+    ({"batch_size": 4}, "batch size 8 -> 4"),        # silently another data stream
+])
+def test_a_resume_with_another_loader_is_refused_naming_the_change(
+        tmp_path: Path, changed: dict[str, Any], named: str) -> None:
+    with pytest.raises(Killed):
+        fit_with_loader(tmp_path, MicroBatches(kill_at=6))
+    assert committed_steps(tmp_path) == [5]
+    with pytest.raises(statereg.CheckpointMismatchError, match=(
+            rf"component 'train_dataloader': the data loader is not the one the checkpoint "
+            rf"saved \({named}\)")):
+        fit_with_loader(tmp_path, **changed)
