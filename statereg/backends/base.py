@@ -58,7 +58,7 @@ REQUIRE_EXCLUSIVE = "require_exclusive"
 # The object an exclusivity probe creates (twice) at the root, then deletes.
 PROBE_PREFIX = ".statereg-probe-"
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 # Roots whose exclusive creates were probed in this process: key -> the problem found (None:
 # the store refused the second create, as it must). One probe per root, one warning per root.
@@ -349,6 +349,8 @@ class StorageBackend:
     # a delete, and to a read or a listing (which must not send the user after write access).
     denied_hint: ClassVar[str] = _CHECK_ACCESS
     denied_read_hint: ClassVar[str] = _CHECK_ACCESS
+    # What to check for any other failure the error does not explain itself.
+    failure_hint: ClassVar[str] = _CHECK_ACCESS
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/") or url
@@ -414,7 +416,7 @@ class StorageBackend:
             if self._names_missing_bucket(exc):
                 raise self._missing_bucket(operation, path) from exc
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            hint = _CHECK_ACCESS
+            hint = self.failure_hint
             code = exc.errno if isinstance(exc, OSError) else None
             if code in (errno.ENOSPC, errno.EDQUOT):
                 hint = ("The filesystem (or your quota on it) is full: free space there "

@@ -650,6 +650,8 @@ class LocalBackend(StorageBackend):
     denied_hint = "This user may not write there: check the folder's owner and permissions"
     denied_read_hint = ("This user may not read there: check its owner and permissions (on a "
                         "shared root, another user's entry)")
+    # A local folder has no credentials: what failed is the filesystem.
+    failure_hint = "The filesystem reported it: check the disk and its mount"
     # Compressed saves write one component at a time here (base.py).
     parallel_compressed_components = False
     # storage.read_cache (`open_backend` sets it): whether the page cache keeps what loads

@@ -73,3 +73,15 @@ def test_an_error_about_the_entry_itself_does_not_blame_access(tmp_path: Path) -
     text = str(refused.value)
     assert "Is a directory" in text
     assert "credentials" not in text and "reachable" not in text
+
+
+def test_a_local_failure_never_blames_credentials(tmp_path: Path) -> None:
+    # A local folder has no credentials: an I/O error names the filesystem instead.
+    import errno
+
+    backend = statereg.backends.registry.open_backend(str(tmp_path))
+    with pytest.raises(StorageError) as failed, backend._storage_op("delete", "x"):
+        raise OSError(errno.EIO, "Input/output error")
+    text = str(failed.value)
+    assert "Input/output error" in text and "check the disk" in text
+    assert "credentials" not in text
