@@ -13,6 +13,7 @@ import torch
 from unwritable import unwritable
 
 import statereg
+from statereg.backends.registry import open_backend
 from statereg.errors import StorageError
 
 SPEC = {"components": {"model": {"kind": "model"}}}
@@ -66,7 +67,7 @@ def test_a_folder_this_user_may_not_write_says_to_check_permissions_and_keeps_th
 
 def test_an_error_about_the_entry_itself_does_not_blame_access(tmp_path: Path) -> None:
     # Issue 41, item 3: deleting a folder as a file is no outage and no credentials problem.
-    backend = statereg.backends.registry.open_backend(str(tmp_path))
+    backend = open_backend(str(tmp_path))
     (tmp_path / "folder").mkdir()
     with pytest.raises(StorageError) as refused:
         backend.remove_file("folder")
@@ -79,7 +80,7 @@ def test_a_local_failure_never_blames_credentials(tmp_path: Path) -> None:
     # A local folder has no credentials: an I/O error names the filesystem instead.
     import errno
 
-    backend = statereg.backends.registry.open_backend(str(tmp_path))
+    backend = open_backend(str(tmp_path))
     with pytest.raises(StorageError) as failed, backend._storage_op("delete", "x"):
         raise OSError(errno.EIO, "Input/output error")
     text = str(failed.value)
