@@ -14,6 +14,14 @@ given as `statereg="statereg.yaml"`. Everything else comes from the `TrainingArg
 - save_only_model -> checkpoints hold the model (and the TrainerState) only;
 - resume_from_checkpoint=True / a statereg URL -> the latest committed checkpoint / that one.
 
+Saves are asynchronous unless the yaml says `save.async` (`thread` on CPU, `pinned` on CUDA):
+the Trainer waits for the copy to host memory only; train() waits for the last save before
+it returns or re-raises an exception, and before loading the best model at the end.
+
+The Trainer saves only after an optimizer step (its `on_step_end` and epoch end), never
+between the micro-batches of a gradient accumulation, and so does a declared
+`every_seconds` / `every: auto` (asked in `on_step_end`).
+
 A checkpoint holds `model`, `optimizer`, `scheduler`, `rng` (every rank's generators),
 `trainer_state` (the TrainerState, json) and, with fp16, `scaler`. A profile `finetune`
 (the model only) is declared unless the yaml declares one.
@@ -30,6 +38,11 @@ boundary), because building an iterator draws a seed from the global generator t
 uninterrupted run drew before the checkpoint. The optimizer and scheduler do not exist when
 the model is resumed: they are declared `required: false` and read, from the same checkpoint
 and verified, when the Trainer has built them (`on_train_begin`).
+
+Since the position is a count of batches, it means the same place in the data only for the
+same data stream: the checkpoint records what decides it (batch size per device, gradient
+accumulation, world size, dataset length, sampling strategy, drop_last, data seed) and a
+resume that changed any of them is refused with a CheckpointMismatchError naming it.
 
 Private Trainer methods overridden (their signatures are checked when this module is
 imported, so a transformers release that changed one fails at once, naming it):
@@ -68,10 +81,16 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from statereg.declaration import load_spec
 from statereg.engine.checkpoints import step_of
 from statereg.engine.saver import SaveInfo
-from statereg.errors import CheckpointNotFoundError, SpecError, StateregError
+from statereg.errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    SpecError,
+    StateregError,
+)
 from statereg.integrations._common import (
     SpecSource,
     declaration_dict,
+    default_async,
     merge_components,
     section,
     set_once,
@@ -82,7 +101,7 @@ from statereg.schemas.spec import RegistrySpec
 from statereg.state.ddp import DDPBucketLayout
 from statereg.state.rng import RNGAdapter
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 TESTED_TRANSFORMERS = "5.23.0"
 SUPPORTED_TRANSFORMERS = ">=5.23,<5.24"
@@ -166,6 +185,7 @@ def spec_from_training_args(
         ours["ddp"] = {"kind": "custom", "required": False}
     merge_components(data, ours, label, "a StateregTrainer")
     save = section(data, "save", label)
+    default_async(save, args.device)
     if (_value(args.save_strategy) == "steps" and args.save_steps >= 1
             and save.get("every") != "auto"):
         set_once(save, "every_steps", int(args.save_steps), label,
@@ -204,16 +224,67 @@ class _Resume:
     best_global_step: int | None = None
 
 
+PER_PROCESS_FIELDS = ("is_local_process_zero", "is_world_process_zero")
+DATA_STREAM_KEY = "statereg_data_stream"
+_DATA_STREAM_WORDS = {
+    "train_batch_size": "batch size per device", "gradient_accumulation_steps":
+    "gradient_accumulation_steps", "world_size": "world size", "dataset_length":
+    "dataset length", "train_sampling_strategy": "train_sampling_strategy",
+    "dataloader_drop_last": "dataloader_drop_last", "data_seed": "data seed"}
+
+
+def _data_stream(trainer: Any) -> dict[str, Any]:
+    """What decides which samples the Trainer's step N trains on, given that a resume skips
+    `global_step x gradient_accumulation_steps` batches of the epoch: a change in any of them
+    resumes on another data stream (the Trainer itself does not check)."""
+    args = trainer.args
+    dataset = trainer.train_dataset
+    try:
+        length = len(dataset) if dataset is not None else None
+    except TypeError:  # an IterableDataset without a length
+        length = None
+    return {"train_batch_size": None if args.auto_find_batch_size
+            else int(trainer._train_batch_size),
+            "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+            "world_size": int(args.world_size), "dataset_length": length,
+            "train_sampling_strategy": _value(getattr(args, "train_sampling_strategy", None)),
+            "dataloader_drop_last": bool(args.dataloader_drop_last),
+            "data_seed": int(args.data_seed if args.data_seed is not None else args.seed)}
+
+
+def _check_data_stream(url: str, saved: Any, live: dict[str, Any]) -> None:
+    """Refuse a resume whose data stream differs from the saved one, naming each change."""
+    if not isinstance(saved, dict):
+        return  # saved before the data stream was recorded
+    changed = [f"{_DATA_STREAM_WORDS[key]} {saved.get(key)!r} -> {live[key]!r}"
+               for key in _DATA_STREAM_WORDS
+               if saved.get(key) is not None and live[key] is not None
+               and saved.get(key) != live[key]]
+    if changed:
+        raise CheckpointMismatchError(
+            f"{url}: this run's training data is not the one the checkpoint was trained on "
+            f"({', '.join(changed)}), so the Trainer's skip of the trained batches would land "
+            "elsewhere and resume on another data stream; resume with the TrainingArguments "
+            "and dataset the checkpoint was saved with, or start a new run from its weights "
+            "with trainer.statereg.load(url, profile='finetune') before train()")
+
+
 class _TrainerStateRecord:
-    """The `trainer_state` component: the TrainerState, saved whole as json; a load keeps
-    it for the Trainer, which reads it from trainer_state.json in the resume directory."""
+    """The `trainer_state` component: the TrainerState, saved whole as json, with the data
+    stream it trained on (_data_stream); a load keeps it for the Trainer, which reads it from
+    trainer_state.json in the resume directory."""
 
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self._trainer.state)
+        state = dataclasses.asdict(self._trainer.state)
+        # Which process this is: not training state, it differs by rank (the one copy saved
+        # is refused then), and the Trainer sets it again on resume (init_training_references).
+        for per_process in PER_PROCESS_FIELDS:
+            state.pop(per_process, None)
+        return {**state, DATA_STREAM_KEY: _data_stream(self._trainer)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded = dict(state)
@@ -358,15 +429,30 @@ class StateregMixin:
             self._statereg_resume = _Resume(url, directory)
             resume_from_checkpoint = directory
         try:
-            return super().train(  # type: ignore[misc]
+            result = super().train(  # type: ignore[misc]
                 resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        except BaseException as exc:
+            self._statereg_wait_after(exc)
+            raise
         finally:
             self._statereg_resume = None
             if directory is not None:
                 shutil.rmtree(directory, ignore_errors=True)
-            if self._statereg_mgr is not None:
-                self._statereg_mgr.wait()  # the last save is committed when train() returns
+        if self._statereg_mgr is not None:
+            self._statereg_mgr.wait()  # the last save is committed when train() returns
+        return result
+
+    def _statereg_wait_after(self, exc: BaseException) -> None:
+        """train() raised: commit the save in flight (a resume finds it), logging, not
+        raising, its failure over the exception that ended training."""
+        if self._statereg_mgr is None:
+            return
+        try:
+            self._statereg_mgr.wait()
+        except Exception:
+            logger.exception("the last checkpoint's save failed as train() ended with %s",
+                             type(exc).__name__)
 
     def _statereg_resolve(self, resume: str | bool) -> str:
         """The statereg checkpoint to resume from (collective: rank 0 reads, all agree)."""
@@ -417,6 +503,7 @@ class StateregMixin:
                 "StateregTrainer and the Trainer cannot know where to resume; to start a "
                 "new run from its weights call trainer.statereg.load(url, profile='finetune') "
                 "(or include=['model']) before train()")
+        _check_data_stream(result.path, state.pop(DATA_STREAM_KEY, None), _data_stream(trainer))
         resume.best_global_step = state.get("best_global_step")
         # The URL of the best checkpoint is set again in on_train_begin: the Trainer drops a
         # best_model_checkpoint that is no local directory (an s3:// URL) with a warning.
@@ -456,12 +543,13 @@ class StateregMixin:
                      if isinstance(v, (int, float)) and not isinstance(v, bool)}
         tokens = state.num_input_tokens_seen or None
         handle = mgr.save(state.global_step, tokens_seen=tokens, extra=extra or None)
-        if (handle is not None and state.best_global_step == state.global_step
+        if (handle.due and state.best_global_step == state.global_step
                 and _value(trainer.args.save_strategy) in ("steps", "epoch", "best")):
             state.best_model_checkpoint = str(handle)
 
     def _load_best_model(self) -> None:
         trainer: Any = self
+        self.statereg.wait()  # the last save may be the best, and is committed first
         result = self.statereg.load_best(include=["model"])
         if result is not None and trainer.is_world_process_zero():
             logger.info("loaded the best model (%s = %s) from %s",

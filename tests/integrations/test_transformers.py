@@ -8,6 +8,7 @@ and learning rate equal the uninterrupted run's bit for bit, and so do the final
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import warnings
 from pathlib import Path
@@ -25,6 +26,7 @@ from integrations.trainees import (
     train_hf,
     trainer_args,
 )
+from transformers import TrainerCallback
 
 import statereg
 from statereg.integrations.transformers import StateregTrainer, spec_from_training_args
@@ -73,10 +75,11 @@ def assert_same_steps(want: Run, got: Run, last: int) -> None:
 
 
 def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path: Path) -> None:
-    # 48 samples, batches of 4: 12 steps per epoch. Saves every 5 steps; the kill after
-    # step 17 loses steps 16-17 and the resume starts at step 15, 3 batches into epoch 2.
+    # 48 samples, batches of 4: 12 steps per epoch. Saves every 5 steps (asynchronous, the
+    # default); the kill after step 17 loses steps 16-17 and the resume starts at step 15, 3
+    # batches into epoch 2, or at 10 if the save of step 15 was still being written.
     config = {"max_steps": 30, "save_steps": 5, "save_total_limit": 2}
-    want, got = run_three(tmp_path, train_hf, config, 1, kill_after=17, resume_from=(15,))
+    want, got = run_three(tmp_path, train_hf, config, 1, kill_after=17, resume_from=(10, 15))
     with statereg.CheckpointManager({"storage": {"url": str(tmp_path / "run")},
                                      "components": {"rng": {"kind": "rng"}}}) as ckpts:
         names = [u.rsplit("/", 1)[-1] for u in ckpts.list()]
@@ -86,12 +89,13 @@ def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path: Path) -> None:
 
 def test_four_gloo_ranks_ddp_resume_is_bit_identical(tmp_path: Path) -> None:
     # 4 ranks x batches of 4 over 48 samples: 3 steps per epoch. Saves every 4 steps; the
-    # kill after step 11 resumes from step 8, 2 batches into epoch 3. Records: rank 0's
+    # kill after step 11 resumes from step 8, 2 batches into epoch 3 (from 4 if the
+    # asynchronous save of step 8 was still being written). Records: rank 0's
     # logged loss (the mean over ranks), gradient norm and LR; every rank's final weights.
     # STATEREG_TEST_DDP_HOOK=module:function is called with each rank's Trainer before
     # train() (a recipe for DDP's first iteration after construction, issue 26).
     config = {"max_steps": 16, "save_steps": 4}
-    want, got = run_three(tmp_path, train_hf, config, 4, kill_after=11, resume_from=(8,))
+    want, got = run_three(tmp_path, train_hf, config, 4, kill_after=11, resume_from=(4, 8))
     for rank in range(4):
         assert_same_steps(want[rank], got[rank], 16)
 
@@ -116,6 +120,9 @@ def test_training_arguments_become_the_declaration(tmp_path: Path) -> None:
         "model": "model", "optimizer": "optimizer", "scheduler": "scheduler", "rng": "rng",
         "trainer_state": "custom"}
     assert spec.profiles["finetune"].include == ["model"]
+    assert spec.save.async_mode == "thread"  # asynchronous unless declared (pinned on CUDA)
+    off = spec_from_training_args(args, {"save": {"async": "off"}})
+    assert off.save.async_mode == "off"
     only = spec_from_training_args(args_for(tmp_path, save_only_model=True))
     assert list(only.components) == ["model", "trainer_state"]
 
@@ -138,14 +145,21 @@ def test_a_yaml_that_contradicts_training_arguments_is_refused(tmp_path: Path) -
     assert spec.components["optimizer"].required is False
 
 
-def in_process_trainer(tmp_path: Path, spec: Any = None, **overrides: Any) -> StateregTrainer:
+def in_process_trainer(tmp_path: Path, spec: Any = None, *, samples: int = 24,
+                       callbacks: list[Any] | None = None, args_changes: dict[str, Any] | None
+                       = None, **overrides: Any) -> StateregTrainer:
+    """A StateregTrainer of a tiny GPT-2 on `samples` sequences; `args_changes`: more
+    TrainingArguments fields (e.g. gradient_accumulation_steps)."""
     torch.set_num_threads(1)
     args = args_for(tmp_path, **overrides)
+    if args_changes:
+        args = dataclasses.replace(args, **args_changes)
     eval_dataset = MarkovTokens(8, seed=99) if overrides.get("eval_strategy") else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return StateregTrainer(model=tiny_gpt2(), args=args, train_dataset=MarkovTokens(24),
-                               eval_dataset=eval_dataset, statereg=spec)
+        return StateregTrainer(model=tiny_gpt2(), args=args,
+                               train_dataset=MarkovTokens(samples), eval_dataset=eval_dataset,
+                               callbacks=callbacks, statereg=spec)
 
 
 def test_resume_true_without_a_checkpoint_says_so(tmp_path: Path) -> None:
@@ -250,3 +264,65 @@ def test_with_statereg_derives_a_trainer_subclass_once(tmp_path: Path) -> None:
     assert with_statereg(Seq2SeqTrainer) is derived and with_statereg(Trainer) is StateregTrainer
     with pytest.raises(statereg.SpecError, match=r"pass a transformers\.Trainer subclass"):
         with_statereg(dict)  # type: ignore[arg-type]
+
+
+# -- gradient accumulation, asynchronous saves, a resume on other data ----------------------
+
+
+class RngAtStepEnd(TrainerCallback):
+    """The torch generator's state at the end of each optimizer step; raises after step
+    `fail_after` (a crash that is an exception)."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.states: dict[int, torch.Tensor] = {}
+        self.fail_after = fail_after
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.fail_after is not None and state.global_step > self.fail_after:
+            raise RuntimeError("the run crashed")
+        self.states[state.global_step] = torch.get_rng_state()
+
+
+def test_saves_come_only_after_optimizer_steps_under_accumulation(tmp_path: Path) -> None:
+    """gradient_accumulation_steps=2 and a time cadence due at every step: each checkpoint
+    holds the generators as they were at the end of its optimizer step, not a micro-batch's
+    dropout later, and there is one per optimizer step, none before the first."""
+    seen = RngAtStepEnd()
+    trainer = in_process_trainer(tmp_path, {"save": {"every_seconds": 1e-9}},
+                                 save_strategy="no", callbacks=[seen],
+                                 args_changes={"gradient_accumulation_steps": 2})
+    trainer.train()
+    assert [u.rsplit("_", 1)[-1] for u in trainer.statereg.list()] == [
+        f"{s:08d}" for s in range(1, 7)]
+    reader_spec = {"storage": {"url": str(tmp_path / "out")},
+                   "components": {"rng": {"kind": "rng"}}}
+    with statereg.CheckpointManager(reader_spec) as reader:
+        for step in range(1, 7):
+            reader.load(step=step, include=["rng"])
+            assert torch.equal(torch.get_rng_state(), seen.states[step]), f"step {step}"
+
+
+def test_an_exception_in_train_still_commits_the_save_in_flight(tmp_path: Path) -> None:
+    trainer = in_process_trainer(tmp_path, callbacks=[RngAtStepEnd(fail_after=4)])
+    assert trainer.statereg_spec.save.async_mode == "thread"
+    with pytest.raises(RuntimeError, match="the run crashed"):
+        trainer.train()
+    assert [u.rsplit("/", 1)[-1] for u in trainer.statereg.list()] == [
+        "step_00000002", "step_00000004"]
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"args_changes": {"per_device_train_batch_size": 2}}, "batch size per device 4 -> 2"),
+    ({"samples": 20}, "dataset length 24 -> 20"),
+    ({"args_changes": {"gradient_accumulation_steps": 2}}, "gradient_accumulation_steps 1 -> 2"),
+])
+def test_a_resume_on_other_data_is_refused_naming_the_change(
+        tmp_path: Path, changes: dict[str, Any], named: str) -> None:
+    """The Trainer resumes by skipping global_step x accumulation batches of the epoch: with
+    another batch size or dataset that would silently continue on another data stream."""
+    in_process_trainer(tmp_path, max_steps=4).train()
+    other = in_process_trainer(tmp_path, **changes)
+    with pytest.raises(statereg.CheckpointMismatchError, match=(
+            rf"step_00000004: this run's training data is not the one the checkpoint was "
+            rf"trained on \({named}\)")):
+        other.train(resume_from_checkpoint=True)
