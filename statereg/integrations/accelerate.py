@@ -15,8 +15,20 @@ Both take the Accelerator and a statereg declaration (a path, a dict, a Registry
 CheckpointManager from `manager(accelerator, spec)`. Given a declaration, the manager is
 built on the first call and kept for the Accelerator (saves stay asynchronous across calls,
 retention and the cadence see every save); `wait(accelerator)` waits for the last save, and
-it is closed at exit. Call `load_state` after `prepare()` and `register_for_checkpointing()`,
-and before the first batch, as with Accelerate's own `load_state`.
+it is closed (waiting for that save) by `accelerator.end_training()`, which then destroys
+the process group, or at exit. Call `load_state` after `prepare()` and
+`register_for_checkpointing()`, and before the first batch, as with Accelerate's own
+`load_state`.
+
+Saves are asynchronous unless the declaration says `save.async` (`thread` on CPU, `pinned`
+on CUDA): `save_state` returns once the state is copied to host memory.
+
+`save_state` commits only at an optimizer-step boundary: between the micro-batches of a
+gradient accumulation (`accelerator.sync_gradients` is False inside `accumulate()`, or
+gradients were accumulated since the optimizer last stepped) it saves nothing and returns
+None, since a checkpoint there would hold the data position past micro-batches whose
+gradients it does not hold. A loop that calls it after every batch therefore saves after the
+optimizer step of that batch's accumulation, and never before the first one.
 
 What is saved, as components (names follow Accelerate's file names):
 
@@ -40,7 +52,9 @@ torch}`); `storage.url` defaults to `<project_dir>/checkpoints`, and a ProjectCo
 Why a resume is exact: the dataloader position is restored, not replayed, and the epoch
 counter of Accelerate's DataLoaderShard with it (its sampler's order comes from seed + epoch,
 and the counter is not in the StatefulDataLoader's state). A loader saved at the end of an
-epoch resumes at the start of the next, as the uninterrupted loop does. The iterator that
+epoch resumes at the start of the next, as the uninterrupted loop does. A loader that is not
+the one saved (batch size, dataset length, shuffle, drop_last) is refused with a
+CheckpointMismatchError naming the change. The iterator that
 continues a resumed epoch is built without drawing from the global generator (the
 uninterrupted run drew that seed before the checkpoint), so dropout after the resume draws
 what it drew.
@@ -62,8 +76,10 @@ from statereg.engine.load import LoadResult
 from statereg.engine.saver import SaveHandle
 from statereg.errors import SpecError
 from statereg.integrations._common import (
+    GradientsInFlight,
     SpecSource,
     declaration_dict,
+    default_async,
     merge_components,
     section,
     set_once,
@@ -72,10 +88,13 @@ from statereg.manager import CheckpointManager
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.objects import DataloaderAdapter
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 # One manager per Accelerator when save_state / load_state are given a declaration.
 _MANAGERS: weakref.WeakKeyDictionary[Accelerator, tuple[RegistrySpec, CheckpointManager]] = \
+    weakref.WeakKeyDictionary()
+# Whether gradients wait for an optimizer step, per Accelerator (hooked on first use).
+_GRADIENTS: weakref.WeakKeyDictionary[Accelerator, GradientsInFlight] = \
     weakref.WeakKeyDictionary()
 
 
@@ -90,6 +109,10 @@ class _LoaderPosition:
     def __init__(self, name: str, loader: Any) -> None:
         self.name = name
         self.loader = loader
+
+    def live_loader(self) -> Any:
+        """The prepared loader: its shape is recorded and checked by the dataloader adapter."""
+        return self.loader
 
     def state_dict(self) -> dict[str, Any]:
         state = dict(self.loader.state_dict())
@@ -233,6 +256,7 @@ def _spec(accelerator: Accelerator, source: SpecSource | None,
                             "declare storage.url")
         storage["url"] = os.path.join(os.path.abspath(project.project_dir), "checkpoints")
     merge_components(data, comps, label, "the Accelerator")
+    default_async(section(data, "save", label), accelerator.device)
     if project.total_limit:
         set_once(section(data, "save", label), "keep_last", int(project.total_limit), label,
                  "ProjectConfiguration.total_limit")
@@ -246,11 +270,13 @@ def manager(accelerator: Accelerator, spec: SpecSource | None = None, *,
     """A CheckpointManager for everything `accelerator` holds (close it, or use `with`).
     Collective under torch.distributed: call it on every rank."""
     comps, objects = live_objects(accelerator, dataloaders=dataloaders)
+    _gradients(accelerator)
     return CheckpointManager(_spec(accelerator, spec, comps), **objects)
 
 
 def _resolve(accelerator: Accelerator, mgr_or_spec: CheckpointManager | SpecSource,
              ) -> CheckpointManager:
+    _gradients(accelerator)  # hooked at the first call (load_state: before any backward)
     if isinstance(mgr_or_spec, CheckpointManager):
         return mgr_or_spec
     comps, objects = live_objects(accelerator)
@@ -265,14 +291,55 @@ def _resolve(accelerator: Accelerator, mgr_or_spec: CheckpointManager | SpecSour
         return cached[1]
     mgr = CheckpointManager(spec, **objects)
     _MANAGERS[accelerator] = (spec, mgr)
+    _close_before_end_training(accelerator)
     return mgr
+
+
+def _close_before_end_training(accelerator: Accelerator) -> None:
+    """Make `accelerator.end_training()` close this Accelerator's manager (waiting for the
+    save in flight) first: it destroys the process group, which an asynchronous save's
+    commit still needs."""
+    end_training = accelerator.end_training
+    if getattr(end_training, "closes_statereg", False):
+        return
+
+    def closing_end_training() -> None:
+        close(accelerator)
+        end_training()
+
+    closing_end_training.closes_statereg = True  # type: ignore[attr-defined]
+    accelerator.end_training = closing_end_training  # type: ignore[method-assign]
+
+
+def _gradients(accelerator: Accelerator) -> GradientsInFlight:
+    gradients = _GRADIENTS.get(accelerator)
+    if gradients is None:
+        params = [p for model in accelerator._models for p in model.parameters()]
+        optimizers = [getattr(o, "optimizer", o) for o in accelerator._optimizers]
+        gradients = _GRADIENTS[accelerator] = GradientsInFlight(params, optimizers)
+    return gradients
+
+
+def at_step_boundary(accelerator: Accelerator) -> bool:
+    """Whether the loop is at an optimizer-step boundary (not between the micro-batches of a
+    gradient accumulation): what save_state requires to commit."""
+    return bool(accelerator.sync_gradients) and not _gradients(accelerator).pending
 
 
 def save_state(accelerator: Accelerator, mgr_or_spec: CheckpointManager | SpecSource,
                step: int, *, tokens_seen: int | None = None,
                extra: dict[str, Any] | None = None) -> SaveHandle | None:
-    """Save everything `accelerator` holds as checkpoint `step` (on every rank)."""
-    return _resolve(accelerator, mgr_or_spec).save(step, tokens_seen=tokens_seen, extra=extra)
+    """Save everything `accelerator` holds as checkpoint `step` (on every rank); nothing,
+    returning None, between the micro-batches of a gradient accumulation (module docstring).
+    """
+    mgr = _resolve(accelerator, mgr_or_spec)
+    if not at_step_boundary(accelerator):
+        if mgr.world.rank == 0:
+            logger.info("save_state(step=%d) between the micro-batches of a gradient "
+                        "accumulation: not saved (the checkpoint would lose their gradients); "
+                        "the next call after the optimizer step saves", step)
+        return None
+    return mgr.save(step, tokens_seen=tokens_seen, extra=extra)
 
 
 def load_state(accelerator: Accelerator, mgr_or_spec: CheckpointManager | SpecSource,
@@ -304,4 +371,5 @@ def _close_all() -> None:
         close(accelerator)
 
 
-__all__ = ["close", "live_objects", "load_state", "manager", "save_state", "spec_for", "wait"]
+__all__ = ["at_step_boundary", "close", "live_objects", "load_state", "manager", "save_state",
+           "spec_for", "wait"]
