@@ -48,7 +48,7 @@ from statereg.schemas.spec import DEFAULT_MAX_SHARD_SIZE, PrefixSpec, parse_size
 from statereg.state.factory import Adapter
 from statereg.state.model import ModelAdapter
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 ForeignKind = Literal["hf", "dcp"]
 FOREIGN_NOTE = "foreign, not verified (no statereg manifest: no sizes or checksums to check)"

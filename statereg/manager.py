@@ -44,7 +44,7 @@ from statereg.state.protocols import TensorState
 from statereg.tiers.engine import TierEngine
 from statereg.tiers.signals import SignalGuard
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

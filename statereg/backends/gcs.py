@@ -11,7 +11,7 @@ from typing import Any
 from statereg import env
 from statereg.backends.base import StorageBackend
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 class GCSBackend(StorageBackend):

@@ -37,7 +37,7 @@ from statereg.backends.local import LocalBackend
 from statereg.backends.mappings import MappedFile, Mappings
 from statereg.errors import SpecError, StorageError
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 SHM_DIR_ENV = env.SHM_DIR
 NODE_ENV = env.NODE

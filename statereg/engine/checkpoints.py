@@ -26,7 +26,7 @@ from statereg.errors import (
 )
 from statereg.schemas.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 LATEST_NAME = "latest"
 # The manifest's own checksum, written just before the manifest (absent in checkpoints

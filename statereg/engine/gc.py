@@ -46,7 +46,7 @@ from statereg.errors import (
 )
 from statereg.schemas.manifest import MANIFEST_NAME, WRITER_DIR_PREFIX
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 3600.0
 # `<name>.tmp-<pid>` or `<name>.tmp-<pid>-<random>`: local writes go through such a name.

@@ -34,7 +34,7 @@ from statereg.errors import (
 )
 from statereg.schemas.manifest import FileRecord
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 # How often a save looks for a base again when retention uncommits the one it found.
 _BASE_ATTEMPTS = 3

@@ -40,7 +40,7 @@ from statereg.errors import (
 from statereg.schemas.manifest import MANIFEST_NAME, FileRecord, Manifest
 from statereg.schemas.spec import RegistrySpec
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

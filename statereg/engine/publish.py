@@ -40,7 +40,7 @@ from statereg.schemas.manifest import (
 # the first follows a racing writer's write; two writers settle in one or two).
 _SETTLE_ROUNDS = 8
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 def _create(backend: StorageBackend, path: str, content: bytes, name: str) -> None:

@@ -31,7 +31,7 @@ from statereg.errors import CheckpointExistsError, StorageError
 from statereg.schemas.manifest import MANIFEST_NAME
 from statereg.schemas.spec import SaveSpec
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 def best_checkpoints(committed: list[Committed], save: SaveSpec) -> list[Committed]:

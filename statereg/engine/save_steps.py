@@ -54,7 +54,7 @@ from statereg.schemas.manifest import (
 from statereg.schemas.spec import RegistrySpec, StorageSpec
 from statereg.version import __version__
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 def capture(plan: RankPlan, adapters: dict[str, Any]) -> list[Captured]:

@@ -47,7 +47,7 @@ from statereg.engine.world import caught, raise_own
 from statereg.errors import CorruptCheckpointError
 from statereg.schemas.manifest import FileRecord, Manifest
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 # "keep": copy the bytes as they are; None: write uncompressed; settings: (re)compress.
 Recompress = CompressionSettings | None | Literal["keep"]

@@ -36,7 +36,7 @@ from statereg.manager import CheckpointManager as _Manager
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.model import unwrap_module
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 # TorchTitan's names for its states (torchtitan/components/checkpoint.py), kept as the
 # component names so `exclude_from_loading` takes the same values.

@@ -24,7 +24,7 @@ from statereg.errors import (
 )
 from statereg.schemas.spec import DurableTierSpec, SaveSpec
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 def committed_at(backend: StorageBackend, name: str) -> bool:

@@ -65,7 +65,7 @@ from statereg.tiers.transport import (
     unusable_across_machines,
 )
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 __all__ = ["TierEngine", "rank_bytes", "run_id"]
 

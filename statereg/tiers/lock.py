@@ -32,7 +32,7 @@ from typing import Any
 
 from statereg.errors import StorageError
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 # The file a live job holds a lock on, in its memory folder.
 LOCK_NAME = "job.lock"

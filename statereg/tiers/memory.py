@@ -13,7 +13,7 @@ from statereg.engine.retention import apply_retention
 from statereg.schemas.manifest import MANIFEST_NAME
 from statereg.schemas.spec import SaveSpec
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 class MemoryRetention:

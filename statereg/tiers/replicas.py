@@ -22,7 +22,7 @@ from statereg.schemas.manifest import MANIFEST_NAME, FileRecord, parse_manifest
 from statereg.tiers.identity import Nodes
 from statereg.tiers.node_memory import NodeMemoryBackend
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 class Replicas:

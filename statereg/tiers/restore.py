@@ -26,7 +26,7 @@ from statereg.tiers.drain import committed_at
 from statereg.tiers.identity import Nodes, identity_folder
 from statereg.tiers.node_memory import NodeMemoryBackend
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 # step -> (the files its manifest lists with their sizes, or None without a readable
 # manifest here; the files present with their sizes). Paths are from the root (`step_N/...`).

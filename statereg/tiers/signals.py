@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from statereg.schemas.spec import RegistrySpec
     from statereg.tiers.engine import TierEngine
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 # Rank 0 writes `<prefix><token>` into the memory folder every rank shares when its flush is
 # over; the token is drawn at construction, so a restarted job never reads an old one.

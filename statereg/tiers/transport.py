@@ -63,7 +63,7 @@ from statereg.backends.base import PositionedReads, StorageBackend, StoredFile
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.errors import StorageError
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 PEER_HOST_ENV = env.PEER_HOST
 # Seconds a peer may take for a request before it counts as gone (plus 1 s per _MIN_RATE

@@ -16,7 +16,7 @@ from statereg.formats.files import decode_object, encode_object
 from statereg.schemas.manifest import ComponentRecord
 from statereg.state.protocols import ObjectState
 
-logger = logging.getLogger("statereg")
+logger = logging.getLogger(__name__)
 
 
 class ObjectFileLayout:
