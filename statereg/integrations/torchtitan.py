@@ -12,6 +12,16 @@ gains statereg's manifest-last commits, checksums, any fsspec storage and exact 
 It needs no torchtitan: torchtitan imports triton and does not import on every machine.
 torchtitan's own `JobConfig.checkpoint` works as `checkpoint_config` where it does import
 (the keys are read by name). docs/integrations/torchtitan.md maps every config key.
+
+Saves are asynchronous unless `async_mode` (or the `spec`'s `save.async`) says otherwise:
+left out, `async_mode` means statereg's integration default, `thread` on CPU and `pinned` on
+CUDA (without early_return: `save()` returns once the state is in host memory). `close()`
+waits for the last save.
+
+`save()` commits only at an optimizer-step boundary: if gradients were accumulated since the
+optimizer last stepped (a loop that calls it between micro-batches), it saves nothing that
+call, since the checkpoint would hold the data position past micro-batches whose gradients
+it does not hold (torchtitan's own loop calls it after the step, where this never applies).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from statereg.errors import (
     CheckpointNotFoundError,
     SpecError,
 )
+from statereg.integrations._common import GradientsInFlight, declaration_dict, default_async
 from statereg.manager import CheckpointManager as _Manager
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.model import unwrap_module
@@ -64,7 +75,9 @@ class TitanCheckpointConfig:
     """TorchTitan's `[checkpoint]` section (torchtitan.config.Checkpoint), field for field.
 
     Defaults are torchtitan's, except `enable` (True: constructing the manager is asking for
-    checkpoints). docs/integrations/torchtitan.md says what each key does here.
+    checkpoints) and `async_mode` (None: statereg's integration default, an asynchronous
+    save; torchtitan's "disabled" still turns it off). docs/integrations/torchtitan.md says
+    what each key does here.
     """
 
     enable: bool = True
@@ -77,7 +90,7 @@ class TitanCheckpointConfig:
     last_save_model_only: bool = True
     last_save_in_hf: bool = False
     export_dtype: Literal["float16", "bfloat16", "float32"] = "float32"
-    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] | None = None
     keep_latest_k: int = 10
     load_step: int = -1
     exclude_from_loading: list[str] = dataclasses.field(default_factory=list)
@@ -108,7 +121,7 @@ class TitanCheckpointConfig:
         return made
 
     def _check(self) -> None:
-        if self.async_mode not in ASYNC_MODES:
+        if self.async_mode is not None and self.async_mode not in ASYNC_MODES:
             raise SpecError(f"checkpoint.async_mode {self.async_mode!r}: use one of "
                             f"{', '.join(ASYNC_MODES)}")
         if self.export_dtype not in EXPORT_DTYPES:
@@ -339,9 +352,11 @@ class TitanCheckpointManager:
         if spec is None:
             built: Any = self._declaration(objects, storage_options, pp_group is not None, rng,
                                            on_world_size_change)
-            self.spec = statereg.load_spec(built)
         else:
-            self.spec = statereg.load_spec(spec)
+            built, _ = declaration_dict(spec, "spec")
+        save = built.setdefault("save", {})
+        default_async(save, next((p.device for p in self.model.parameters()), "cpu"))
+        self.spec = statereg.load_spec(built)
         for name in self.config.exclude_from_loading:
             if name not in self.spec.components:
                 raise SpecError(f"checkpoint.exclude_from_loading names {name!r}, which is not "
@@ -353,6 +368,10 @@ class TitanCheckpointManager:
         self.hf_folder = hf_folder
         self._model_only: _Manager | None = None
         self._staged: Any = None
+        torch_optimizers = (optimizer.optimizers if isinstance(optimizer, OptimizersView)
+                            else [optimizer] if optimizer_kind == "optimizer" else [])
+        self._gradients = (GradientsInFlight(self.model.parameters(), torch_optimizers)
+                           if self.enable else None)
 
     # -- the declaration ----------------------------------------------------------------
 
@@ -377,10 +396,11 @@ class TitanCheckpointManager:
             components[RNG] = {"kind": "rng"}
             if world_size_change != "error":
                 components[RNG]["on_world_size_change"] = world_size_change
-        async_mode, early = ASYNC_MODES[self.config.async_mode]
-        save: dict[str, Any] = {"every_steps": self.config.interval, "async": async_mode}
-        if early:
-            save["early_return"] = True
+        save: dict[str, Any] = {"every_steps": self.config.interval}
+        if self.config.async_mode is not None:  # else default_async (in __init__)
+            save["async"], early = ASYNC_MODES[self.config.async_mode]
+            if early:
+                save["early_return"] = True
         if self.config.keep_latest_k:
             save["keep_last"] = self.config.keep_latest_k
         return {"storage": {"url": self.url, "options": dict(options or {})},
@@ -407,7 +427,15 @@ class TitanCheckpointManager:
         enable_first_step_checkpoint, and the last step). The last step saves the model only
         with last_save_model_only (exported to Hugging Face with last_save_in_hf);
         `save(0, last_step=True)` is the seed checkpoint. Collective: call on every rank."""
-        if self.mgr is None or not self._should_save(curr_step, last_step):
+        if self.mgr is None:
+            return
+        if self._gradients is not None and self._gradients.pending:
+            # Before the cadence is asked (time-based: collective), as on every rank alike.
+            if self.mgr.world.rank == 0:
+                logger.info("save(%d) between the micro-batches of a gradient accumulation: "
+                            "not saved (the checkpoint would lose their gradients)", curr_step)
+            return
+        if not self._should_save(curr_step, last_step):
             return
         if last_step and self.config.last_save_model_only:
             self._save_model_only(curr_step)
@@ -552,6 +580,8 @@ class TitanCheckpointManager:
 
     def close(self) -> None:
         """Wait for the pending save to commit and stop statereg's background threads."""
+        if self._gradients is not None:
+            self._gradients.remove()
         for mgr in (self.mgr, self._model_only):
             if mgr is not None:
                 mgr.close()

@@ -398,3 +398,51 @@ def test_disabled_manager_neither_saves_nor_loads(tmp_path: Path) -> None:
     ckpt.close()
     assert not (tmp_path / "none").exists()
     assert not dist.is_initialized()
+
+
+class LoaderRecord:
+    """Reads a checkpoint's dataloader component as saved."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
+def test_save_between_micro_batches_commits_nothing(tmp_path: Path) -> None:
+    """A loop with two micro-batches per optimizer step that calls save() after each, with
+    the steps done so far: only the saves after an optimizer step commit (the first call,
+    step 0 after one micro-batch, used to commit), so each checkpoint's data position is two
+    batches per step."""
+    run = build(0, 1)
+    config = {"folder": str(tmp_path / "ckpt"), "interval": 2, "keep_latest_k": 0,
+              "last_save_model_only": False}
+    ckpt = manager(run, config)
+    assert ckpt.spec.save.async_mode == "thread"  # asynchronous unless async_mode says
+    assert ckpt.load() is False
+    (optimizer,), step = run["optimizers"], 0
+    for micro, (x, y) in enumerate(run["loader"]):
+        h = run["parts"][0](x)
+        (F.cross_entropy(h.reshape(-1, VOCAB), y.reshape(-1)) / 2).backward()
+        if micro % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+        ckpt.save(step)
+    ckpt.close()
+    steps = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "ckpt").glob("step_*"))
+    assert steps == [2, 4, 6]
+    record = LoaderRecord()
+    spec = {"storage": {"url": str(tmp_path / "ckpt")},
+            "components": {"dataloader": {"kind": "dataloader"}}}
+    with statereg.CheckpointManager(spec, dataloader=record) as reader:
+        for saved in steps:
+            reader.load(step=saved, include=["dataloader"])
+            assert record.state["_num_yielded"] == 2 * saved
+    off = manager(build(0, 1), {**config, "async_mode": "disabled"})
+    assert off.spec.save.async_mode == "off"
+    off.close()
