@@ -92,3 +92,15 @@ def test_the_recorded_shape_names_what_decides_the_data_stream() -> None:
     assert loader_shape(plain) == {"batch_size": 2, "dataset_length": 10, "shuffle": True,
                                    "drop_last": False}
     assert loader_shape(object()) is None
+
+
+def test_a_state_saved_without_the_shape_loads_unchecked() -> None:
+    """Checkpoints from before the shape was recorded hold the loader's state alone."""
+    from statereg.state.objects import LOADER_SHAPE_KEY, check_loader_shape, with_loader_shape
+
+    loader = _loader()
+    state = loader.state_dict()
+    assert check_loader_shape("dataloader", state, _loader(samples=8), "fix") == state
+    recorded = with_loader_shape(state, loader)
+    assert recorded[LOADER_SHAPE_KEY]["batch_size"] == 4
+    assert check_loader_shape("dataloader", recorded, _loader(), "fix") == state
