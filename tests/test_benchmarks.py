@@ -414,3 +414,53 @@ def test_field_quick_measures_the_in_process_contenders_and_reports_peers_not_in
     assert "| statereg | sync save (durable) | " in table
     assert "| torchsnapshot | torchsnapshot | " in table and "### Targets" in table
     assert not list(tmp_path.glob("statereg-field-*"))  # the work folder is removed
+
+
+def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names_missing_peers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """perfsuite/s3.py --quick without the benchmark venv: SeaweedFS started on 127.0.0.1 and
+    stopped, both shapes, statereg (sync save, cold load, async stall and commit), DCP on s3fs
+    and the boto3 floor measured, every load checked bit for bit by the scenario; the peers of
+    the benchmark venv (s3torchconnector, obstore) say how to install them; issue 43's bars
+    are listed, evaluated where both sides were measured; nothing is installed."""
+    real_run = subprocess.run
+
+    def no_install(command: list[str], *args: object, **kwargs: object) -> object:
+        assert not {"pip", "venv"} & set(map(str, command)), f"tried to install: {command}"
+        return real_run(command, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", no_install)
+    out, venv = tmp_path / "out", tmp_path / "no-venv"
+    run_here(monkeypatch, capsys, tmp_path, "-m", "perfsuite.s3", "--quick", "--dir",
+             str(tmp_path), "--out", str(out), "--bench-venv", str(venv))
+    assert not venv.exists()
+    result = json.loads((out / "s3.json").read_text())
+    assert {"command", "machine", "versions", "shapes", "load_average", "elapsed_s"} <= set(result)
+    assert list(result["shapes"]) == ["large", "small"]
+    for shape, found in result["shapes"].items():
+        assert found["verified"] is True and found["bytes"] > 0
+        contenders = found["contenders"]
+        expected = {"statereg": {"save", "load", "async_stall", "async_commit",
+                                 "async_first_stall"},
+                    "dcp_fsspec": {"save", "load"}, "boto3": {"put", "get"}}
+        for name, ops in expected.items():
+            assert contenders[name]["status"] == "ok", (shape, name)
+            assert set(contenders[name]["rows"]) == ops, (shape, name)
+            for row in contenders[name]["rows"].values():
+                assert row["median_s"] > 0 and len(row["seconds"]) == 1
+        for name in ("s3torchconnector", "obstore"):
+            if result["versions"][name] == "not installed: run with --install":
+                assert contenders[name] == {"status": "not installed: run with --install",
+                                            "rows": {}}
+        assert len(found["bars"]) == 5
+        assert all(b["met"] is None if b["value"] is None else isinstance(b["met"], bool)
+                   for b in found["bars"])
+        save_floor = found["bars"][0]
+        floor = contenders["boto3"]["rows"]["put"]["median_s"]
+        if contenders.get("obstore", {}).get("rows"):
+            floor = min(floor, contenders["obstore"]["rows"]["put"]["median_s"])
+        assert save_floor["value"] == round(floor / contenders["statereg"]["rows"]["save"][
+            "median_s"], 3)
+    assert "| statereg | sync save |" in (out / "s3.md").read_text()
+    assert not list(tmp_path.glob("statereg-s3-*"))  # the server's data is removed
