@@ -1,15 +1,33 @@
 """s3:// and s3a:// through s3fs: Amazon S3 and S3-compatible stores (MinIO, Ceph, moto).
 
 s3fs is imported only when an s3:// root is opened, so statereg works without it installed.
+
+Data files are not built in memory and then handed to s3fs: a file being written is cut into
+parts as it is written, each part filled once into one of a few reused buffers and uploaded
+(a multipart upload) while the next is filled, `write_parts_in_flight` at once per file. A
+load streams the byte runs it needs in `read_chunk` ranged GETs, `read_ahead` of them in
+flight per file, into the destination tensors (verified as they arrive, by the reader): no
+whole-file buffer on either side (docs/storage.md, "S3").
 """
 
 from __future__ import annotations
 
+import asyncio
+import bisect
+import collections
+import concurrent.futures
+import contextlib
 import time
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO, Any
 
-from statereg.backends.base import EXCLUSIVE_WRITE, IncompleteUpload, StorageBackend
-from statereg.backends.checksum import WrittenFile, checksum_of, new_hasher
+from statereg.backends.base import (
+    EXCLUSIVE_WRITE,
+    IncompleteUpload,
+    PositionedReads,
+    StorageBackend,
+)
+from statereg.backends.checksum import HashingWriter, WrittenFile, checksum_of, new_hasher
 
 # A conditional PUT racing another one on the same key may be answered 409
 # ConditionalRequestConflict ("retry"); the retry then gets 412 if the other one won.
@@ -34,11 +52,20 @@ class S3Backend(StorageBackend):
     # Listings are read fresh every time: another process (a second rank, an evaluator,
     # retention run elsewhere) may have changed the prefix since this one last looked.
     default_options = {"use_listings_cache": False}
-    # s3fs's pipe_file sends one PUT below two parts' worth of bytes and a concurrent multipart
-    # upload above; this is s3fs's own default part size (S3 needs at least 5 MiB per part).
-    upload_options = {"chunksize": 50 * 2**20}
+    # The multipart part size ("chunksize", as s3fs calls it; S3 needs at least 5 MiB a part,
+    # at most 10,000 parts: from part 1,000 on, every 1,000 parts double it). A file smaller
+    # than one part is one PUT. Parts of 8 MiB kept 4 in flight per file fill a loopback
+    # link from 2 cores while bounding a save's buffers to 5 parts per file written at once.
+    upload_options = {"chunksize": 8 * 2**20}
+    write_parts_in_flight = 4
+    # Loads: ranged GETs of this size, this many ahead per file being read: the memory a
+    # load holds beyond its destination tensors is at most (read_ahead + 1) x read_chunk per
+    # reader thread (storage.io_threads; `read_window` at the default).
+    read_chunk = 8 * 2**20
+    read_ahead = 4
     # Each file is a round trip to the store: keep more of them in flight than on a disk.
     default_io_threads = 8
+    read_window = default_io_threads * (read_ahead + 1) * read_chunk
     # PUT with If-None-Match: * (S3 since August 2024; MinIO, moto): the store refuses the
     # write with 412 if the key exists, so of two racing writers exactly one wins.
     atomic_create = True
@@ -99,3 +126,231 @@ class S3Backend(StorageBackend):
         with self._storage_op("abort upload", upload.path):
             self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key,
                             UploadId=upload.upload_id)
+
+    # -- streamed writes and reads ------------------------------------------------------
+
+    def open_write(self, path: str, on_done: Callable[[WrittenFile], None] | None = None,
+                   ) -> HashingWriter:
+        """A stream for a new object: parts are uploaded while it is written (see the module
+        docstring); on close the upload is completed (or the one PUT sent) and reported."""
+        sink = _PartUploads(self, path, int(self.upload_options["chunksize"]),
+                            self.write_parts_in_flight)
+        return _AbortingWriter(path, sink, lambda _: sink.finish(), on_done)
+
+    @contextlib.contextmanager
+    def open_ranges(self, path: str, ranges: Sequence[tuple[int, int]],
+                    size: int | None = None) -> Iterator[IO[bytes]]:
+        """A seekable stream over `ranges` of the object that fetches them in `read_chunk`
+        ranged GETs, `read_ahead` in flight, holding no more than those (base: one GET per
+        run, each held whole)."""
+        with _StreamedRanges(self, path, ranges, size, self.read_chunk,
+                             self.read_ahead) as stream:
+            yield stream  # type: ignore[misc]
+
+    def _submit(self, method: str, **kwargs: Any) -> concurrent.futures.Future:
+        """Start one S3 call on s3fs's event loop, without a thread; its future."""
+        return asyncio.run_coroutine_threadsafe(self.fs._call_s3(method, **kwargs),
+                                                self.fs.loop)
+
+
+class _AbortingWriter(HashingWriter):
+    """A HashingWriter whose abort (the writer raised) also aborts the multipart upload."""
+
+    def abort(self) -> None:
+        if not self.closed:
+            self._sink.abort()  # type: ignore[attr-defined]
+        super().abort()
+
+
+# Parts numbered up to here are the configured size; each further thousand doubles it, so a
+# file reaches S3's 10,000-part limit only beyond ~5 TB at the default size.
+_PARTS_PER_SIZE = 1000
+
+
+class _PartUploads:
+    """The sink of one object's bytes: each part is filled once, into a reused buffer, and
+    sent as it is (bytearray bodies: no copy before the client's socket writes) while the
+    next is filled; at most `in_flight` parts are uploading. Every failure aborts the
+    multipart upload and is raised as a StorageError naming the file."""
+
+    def __init__(self, backend: S3Backend, path: str, part_size: int, in_flight: int) -> None:
+        self.backend, self.path = backend, path
+        self.bucket, self.key = backend._split(path)
+        self.part_size, self.in_flight = part_size, max(1, in_flight)
+        self.free: list[bytearray] = []
+        self.buffer = bytearray(part_size)
+        self.filled = 0
+        self.upload_id: str | None = None
+        self.pending: collections.deque[tuple[int, bytearray, concurrent.futures.Future]] = \
+            collections.deque()
+        self.parts: list[dict[str, Any]] = []
+
+    def _size_of(self, number: int) -> int:
+        return self.part_size << max(0, (number - 1) // _PARTS_PER_SIZE)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            room = len(self.buffer) - self.filled
+            take = min(room, len(view))
+            self.buffer[self.filled:self.filled + take] = view[:take]
+            self.filled += take
+            view = view[take:]
+            if self.filled == len(self.buffer):
+                self._send_part()
+        return total
+
+    def _send_part(self) -> None:
+        """Upload the full buffer as the next part and take a free buffer for what follows."""
+        with self.backend._storage_op("write", self.path):
+            if self.upload_id is None:
+                self.upload_id = self.backend.fs.call_s3(
+                    "create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+            while len(self.pending) >= self.in_flight:
+                self._collect()
+        number = len(self.parts) + len(self.pending) + 1
+        body = self.buffer if self.filled == len(self.buffer) else self.buffer[:self.filled]
+        future = self.backend._submit("upload_part", Bucket=self.bucket, Key=self.key,
+                                      UploadId=self.upload_id, PartNumber=number, Body=body)
+        self.pending.append((number, self.buffer, future))
+        size = self._size_of(number + 1)
+        reuse = [b for b in self.free if len(b) == size]
+        self.buffer = reuse[0] if reuse else bytearray(size)
+        self.free = [b for b in self.free if b is not self.buffer]
+        self.filled = 0
+
+    def _collect(self) -> None:
+        """Wait for the oldest part in flight; its buffer becomes free."""
+        number, buffer, future = self.pending.popleft()
+        etag = future.result()["ETag"]
+        self.parts.append({"PartNumber": number, "ETag": etag})
+        self.free.append(buffer)
+
+    def finish(self) -> None:
+        """Store the object: one PUT if it never filled a part, else the last part and the
+        multipart completion. Returns once the store acknowledged it."""
+        full = self.backend.full_path(self.path)
+        try:
+            with self.backend._storage_op("write", self.path):
+                if self.upload_id is None:  # smaller than a part: s3fs's one PUT
+                    self.backend.fs.pipe_file(full, bytes(self.buffer[:self.filled]),
+                                              **self.backend.upload_options)
+                else:
+                    if self.filled:
+                        self._send_part()
+                    while self.pending:
+                        self._collect()
+                    self.backend.fs.call_s3(
+                        "complete_multipart_upload", Bucket=self.bucket, Key=self.key,
+                        UploadId=self.upload_id, MultipartUpload={"Parts": self.parts})
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self.buffer, self.free = bytearray(), []
+        self.backend.fs.invalidate_cache(full)
+
+    def close(self) -> None:
+        """Release the part buffers (HashingWriter closes its sink on abort)."""
+        self.buffer, self.free = bytearray(), []
+
+    def abort(self) -> None:
+        """Drop the parts in flight and abort the multipart upload (best effort: what an
+        abort cannot reach is an incomplete upload, which `statereg gc` aborts)."""
+        for _, _, future in self.pending:
+            future.cancel()
+            with contextlib.suppress(BaseException):
+                future.result()
+        self.pending.clear()
+        if self.upload_id is not None:
+            upload, self.upload_id = self.upload_id, None
+            with contextlib.suppress(Exception):
+                self.backend.fs.call_s3("abort_multipart_upload", Bucket=self.bucket,
+                                        Key=self.key, UploadId=upload)
+
+
+class _StreamedRanges(PositionedReads):
+    """A seekable view of `ranges` of an object, fetched in chunks of `chunk` bytes with
+    `ahead` ranged GETs in flight in front of the position; a chunk is released once the
+    position passes it. A read outside every range fetches just what it asks for. A chunk
+    the store returns short (a truncated object) reads as the end of the file there."""
+
+    def __init__(self, backend: S3Backend, path: str, ranges: Sequence[tuple[int, int]],
+                 size: int | None, chunk: int, ahead: int) -> None:
+        super().__init__(backend, path, size)
+        self._s3 = backend
+        self._chunks = [(at, min(at + chunk, end)) for start, end in sorted(ranges)
+                        for at in range(start, end, chunk)]
+        if size is not None:
+            self._chunks = [(s, min(e, size)) for s, e in self._chunks if s < size]
+        self._starts = [s for s, _ in self._chunks]
+        self._ahead = max(1, ahead)
+        self._fetching: dict[int, concurrent.futures.Future] = {}
+        self._held = (0, 0, b"")  # (start, index, bytes) of the chunk being read
+
+    def _fetch(self, index: int) -> concurrent.futures.Future:
+        """Start the GET of chunk `index` (headers and body, on s3fs's loop) unless it is."""
+        found = self._fetching.get(index)
+        if found is None:
+            start, end = self._chunks[index]
+            found = self._fetching[index] = asyncio.run_coroutine_threadsafe(
+                _get_range(self._s3, self._path, start, end), self._s3.fs.loop)
+        return found
+
+    def _chunk_at(self, position: int) -> tuple[int, bytes] | None:
+        """The chunk holding `position` (fetched, its GETs ahead started), or None outside
+        every range."""
+        index = bisect.bisect_right(self._starts, position) - 1
+        if index < 0 or position >= self._chunks[index][1]:
+            return None
+        if self._held[2] and self._held[1] == index:
+            return self._held[0], self._held[2]
+        for stale in [i for i in self._fetching if i < index]:
+            self._fetching.pop(stale).cancel()
+        for ahead in range(index, min(index + self._ahead, len(self._chunks))):
+            self._fetch(ahead)
+        future = self._fetching.pop(index)
+        with self._s3._storage_op("read", self._path):
+            data = future.result()
+        self._held = (self._chunks[index][0], index, data)
+        return self._chunks[index][0], data
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if not view:
+            return 0
+        found = self._chunk_at(self._pos)
+        if found is None:  # outside the ranges: just the bytes asked for
+            if self._size is not None and self._pos >= self._size:
+                return 0
+            data = self._s3.read_range(self._path, self._pos, self._pos + len(view))
+            start = self._pos
+        else:
+            start, data = found
+        at = self._pos - start
+        got = max(0, min(len(view), len(data) - at))
+        view[:got] = memoryview(data)[at:at + got]
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        for future in self._fetching.values():
+            future.cancel()
+        self._fetching.clear()
+        self._held = (0, 0, b"")
+        super().close()
+
+
+async def _get_range(backend: S3Backend, path: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of the object, fewer if it ends sooner (none past its end)."""
+    bucket, key = backend._split(path)
+    try:
+        response = await backend.fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                             Range=f"bytes={start}-{end - 1}")
+    except Exception as exc:
+        if _s3_error_code(exc) == "InvalidRange" or "InvalidRange" in str(exc):
+            return b""  # the object ends before `start`: a truncated file reads short
+        raise
+    async with response["Body"] as body:
+        return await body.read()
