@@ -434,8 +434,8 @@ class StateregCheckpoint(pl.Callback):
         assert self.mgr is not None
         if self.save_last and self._may_save(trainer):
             self._save(trainer)
-        elif self.save_last and not self._stepped and trainer.global_step != self._saved_step \
-                and trainer.is_global_zero:
+        elif self.save_last and not self._stepped and trainer.is_global_zero \
+                and trainer.global_step not in (0, self._saved_step):
             logger.warning(
                 "the fit ended between the micro-batches of a gradient accumulation (global "
                 "step %d): no checkpoint at its end, since a resume from it would lose their "
