@@ -6,10 +6,17 @@ never import torch.
 
 from __future__ import annotations
 
+import logging
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from statereg.version import __version__
+
+# Every module logs to its own logger under "statereg" (logging.getLogger(__name__)); the
+# application decides where records go. Without a handler of its own, Python's last-resort
+# handler would print its warnings on stderr in every program that configured no logging
+# (the `statereg` command prints them itself: cli._warnings_to_stderr).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _EXPORTS = {
     "load_spec": "statereg.declaration",
@@ -26,6 +33,9 @@ _EXPORTS = {
     "export_hf": "statereg.interop",
     "read_manifest": "statereg.engine.by_url",
     "verify": "statereg.engine.by_url",
+    "list_checkpoints": "statereg.engine.listing",
+    "latest": "statereg.engine.listing",
+    "CheckpointInfo": "statereg.engine.listing",
     "StateregError": "statereg.errors",
     "SpecError": "statereg.errors",
     "StorageError": "statereg.errors",
@@ -45,6 +55,7 @@ if TYPE_CHECKING:
     from statereg.declaration import load_spec
     from statereg.engine.by_url import read_manifest, verify
     from statereg.engine.cadence import CadenceReport
+    from statereg.engine.listing import CheckpointInfo, latest, list_checkpoints
     from statereg.engine.load import KeyReport, LoadResult
     from statereg.engine.saver import SaveInfo
     from statereg.errors import (

@@ -1,4 +1,5 @@
-"""The `statereg` command: plan, schema, ls, inspect, verify, cp, export-hf.
+"""The `statereg` command: plan, schema, ls, inspect, verify, cp, export-hf, gc; `--json` on
+the ones that report (their documents: statereg/schemas/cli.py).
 
 `plan` and `schema` never import torch, so they answer in well under a second.
 """
@@ -6,12 +7,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
 
 from statereg.errors import CheckpointNotFoundError, SpecError, StateregError, StorageError
 
@@ -39,6 +42,21 @@ def _checkpoint_url(text: str) -> str:
         split_checkpoint_url(url)
     except CheckpointNotFoundError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return url
+
+
+def _verify_target(text: str) -> str:
+    """verify's argument: a checkpoint or a root (a store's top, `s3://bucket`, is a root);
+    one that names no directory at all ('/', 's3://') is refused as `_checkpoint_url` does."""
+    from statereg.engine.by_url import split_checkpoint_url
+
+    url = text if "://" in text else os.path.abspath(text)
+    try:
+        split_checkpoint_url(url)
+    except CheckpointNotFoundError as exc:
+        last = url.rstrip("/").rpartition("/")[2]
+        if last in ("", ".", "..") or last.endswith(":"):
+            raise argparse.ArgumentTypeError(str(exc)) from None
     return url
 
 
@@ -84,11 +102,35 @@ def cmd_plan(args: argparse.Namespace) -> None:
         if not 0 <= args.rank < args.world_size:
             raise SpecError(f"--rank {args.rank}: give a rank from 0 to {args.world_size - 1}")
         plans = [job[args.rank]]
+    if args.json:
+        _print_json(_plan_document(plans))
+        return
     tiers = _tiers_block(spec, job, args) if spec.tiers is not None else None
     print(render_job(plans))
     if tiers is not None:
         print()
         print(tiers)
+
+
+def _print_json(document: Any) -> None:
+    """One --json document (a model of statereg/schemas/cli.py) on stdout."""
+    print(document.model_dump_json(indent=2))
+
+
+def _plan_document(plans: list[Any]) -> Any:
+    from statereg.schemas.cli import PlanOutput, RankEntry, TaskEntry
+
+    def task(t: Any) -> TaskEntry:
+        role: Literal["leader", "member"] | None = (
+            ("leader" if t.leader else "member") if t.takes_part else None)
+        return TaskEntry(component=t.component, kind=t.kind, sharing=t.sharing,
+                         format=t.format, layout=t.layout, collective=t.collective,
+                         role=role, directory=t.directory, files=list(t.files),
+                         codec=t.codec, bytes=t.nbytes if t.takes_part else None)
+
+    return PlanOutput(storage=plans[0].storage, world_size=plans[0].world.size,
+                      ranks=[RankEntry(rank=p.world.rank, tasks=[task(t) for t in p.tasks])
+                             for p in plans])
 
 
 def _tiers_block(spec: Any, job: list[Any], args: argparse.Namespace) -> str:
@@ -145,29 +187,62 @@ def cmd_schema(args: argparse.Namespace) -> None:
 
 def cmd_ls(args: argparse.Namespace) -> None:
     from statereg.backends.registry import open_backend
-    from statereg.engine.checkpoints import list_committed, read_latest
+    from statereg.engine.checkpoints import read_latest
+    from statereg.engine.listing import checkpoints_in, open_root
     from statereg.engine.report import format_bytes, format_table
 
-    backend = open_backend(_root(args), _options(args))
     memory_url = _memory_url(args)
     if memory_url is not None:
-        from statereg.tiers.report import memory_roots, render_locations
-
-        print(render_locations(backend, memory_roots(memory_url), memory_url))
+        # With tiers the durable root may not exist yet (every step still in memory).
+        backend = open_backend(_root(args), _options(args))
+        _ls_tiers(args, backend, memory_url)
         return
-    committed = list_committed(backend)
+    backend = open_root(_root(args), _options(args))
+    committed = checkpoints_in(backend)
+    latest = read_latest(backend)
+    if args.json:
+        _print_json(_ls_document(backend, committed, latest))
+        return
     if not committed:
         print(f"no committed checkpoints in {backend.url}{_identity_hint(backend.url)}")
         return
-    latest = read_latest(backend)
-    rows = [("checkpoint", "step", "tokens", "size", "created", "extra")]
+    rows: list[tuple[str, ...]] = [("checkpoint", "step", "tokens", "size", "created", "extra")]
     for c in committed:
-        m = c.manifest
         mark = " (latest)" if c.name == latest else ""
-        tokens = "-" if m.tokens_seen is None else str(m.tokens_seen)
-        rows.append((c.name + mark, str(m.step), tokens, format_bytes(m.total_bytes),
-                     m.created_at, json.dumps(m.extra)))
+        tokens = "-" if c.tokens_seen is None else str(c.tokens_seen)
+        rows.append((c.name + mark, str(c.step), tokens, format_bytes(c.total_bytes),
+                     c.created_at, json.dumps(c.extra)))
     print("\n".join(format_table(rows)))
+
+
+def _ls_document(backend: Any, committed: list[Any], latest: str | None,
+                 memory: Any = None) -> Any:
+    from statereg.schemas.cli import CheckpointEntry, LsOutput
+
+    return LsOutput(root=backend.url, latest=latest, memory=memory, checkpoints=[
+        CheckpointEntry(name=c.name, url=c.path, step=c.step, tokens_seen=c.tokens_seen,
+                        bytes=c.total_bytes, created_at=c.created_at, extra=c.extra,
+                        components=list(c.components), latest=c.name == latest)
+        for c in committed])
+
+
+def _ls_tiers(args: argparse.Namespace, backend: Any, memory_url: str) -> None:
+    """`ls` with tiers: where each step lives (docs/cli.md, "Tiers in plan and ls")."""
+    from statereg.engine.checkpoints import read_latest
+    from statereg.engine.listing import checkpoints_in
+    from statereg.tiers.report import memory_roots, render_locations, step_locations
+
+    memories = memory_roots(memory_url)
+    if not args.json:
+        print(render_locations(backend, memories, memory_url))
+        return
+    from statereg.schemas.cli import MemoryTiers, StepLocation
+
+    steps = [StepLocation.model_validate({"step": r.step, "memory": list(r.memory),
+                                          "durable": r.durable, "bytes": r.size})
+             for r in step_locations(backend, memories)]
+    memory = MemoryTiers(url=memory_url, roots=[m.url for m in memories], steps=steps)
+    _print_json(_ls_document(backend, checkpoints_in(backend), read_latest(backend), memory))
 
 
 def _identity_hint(url: str) -> str:
@@ -217,6 +292,7 @@ def _root(args: argparse.Namespace) -> str:
 def cmd_inspect(args: argparse.Namespace) -> None:
     from statereg.engine.by_url import describe, read_manifest
 
+    _refuse_missing_local(args.url)
     try:
         manifest = read_manifest(args.url, _options(args))
     except CheckpointNotFoundError:
@@ -230,6 +306,17 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         print(manifest.to_json().decode())
     else:
         print(describe(manifest, args.url))
+
+
+def _refuse_missing_local(url: str) -> None:
+    """A local checkpoint path that does not exist is a typo or a deleted checkpoint: say
+    that, not that a save was interrupted (which a directory without a manifest means)."""
+    if "://" in url or os.path.lexists(url):
+        return
+    parent = os.path.dirname(url.rstrip("/"))
+    where = (f"`statereg ls {parent}` lists the checkpoints there" if os.path.isdir(parent)
+             else f"its folder {parent} does not exist either")
+    raise CheckpointNotFoundError(f"{url} does not exist: check the path; {where}")
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
@@ -248,13 +335,109 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
           f"{', ...' if len(done.files) > 4 else ''})")
 
 
-def cmd_verify(args: argparse.Namespace) -> None:
+def cmd_verify(args: argparse.Namespace) -> int:
     from statereg.engine.by_url import verify
     from statereg.engine.report import format_bytes
 
-    manifest = verify(args.url, _options(args))
-    print(f"ok: {args.url}: {len(manifest.files)} files, {format_bytes(manifest.total_bytes)}, "
-          "every size and checksum matches the manifest")
+    target = args.target
+    if args.latest or not _names_a_checkpoint(target, _options(args)):
+        return _verify_root(args, target)
+    _refuse_missing_local(target)
+    if not args.json:
+        manifest = verify(target, _options(args))
+        print(f"ok: {target}: {len(manifest.files)} files, "
+              f"{format_bytes(manifest.total_bytes)}, every size and checksum matches the "
+              "manifest")
+        return 0
+    checked = _verify_one(target, _options(args))
+    _print_json(_verify_document(target, [checked]))
+    return 0 if checked.status == "ok" else 1
+
+
+def _names_a_checkpoint(url: str, options: dict[str, Any]) -> bool:
+    """Whether `url` is one checkpoint rather than a root: its directory has a manifest, or
+    its name is a step's (step_00000100, damaged or not); a store's top is a root."""
+    from statereg.backends.registry import open_backend
+    from statereg.engine.by_url import split_checkpoint_url
+    from statereg.engine.checkpoints import step_of
+    from statereg.schemas.manifest import MANIFEST_NAME
+
+    try:
+        root, name = split_checkpoint_url(url)
+    except CheckpointNotFoundError:
+        return False
+    if step_of(name) is not None:
+        return True
+    return open_backend(root, options).exists(f"{name}/{MANIFEST_NAME}")
+
+
+def _verify_one(url: str, options: dict[str, Any], damage: Exception | None = None) -> Any:
+    """Read checkpoint `url` in full against its manifest; `damage`: already known (its
+    manifest does not load)."""
+    from statereg.engine.by_url import verify
+    from statereg.engine.checkpoints import step_of
+    from statereg.errors import CorruptCheckpointError, ManifestError
+    from statereg.schemas.cli import VerifiedCheckpoint
+
+    name = url.rstrip("/").rpartition("/")[2]
+    if damage is None:
+        try:
+            manifest = verify(url, options)
+        except (CorruptCheckpointError, ManifestError, CheckpointNotFoundError) as exc:
+            damage = exc
+        else:
+            return VerifiedCheckpoint(
+                name=name, url=url, step=manifest.step, status="ok",
+                files=len(manifest.files) + len(manifest.references),
+                bytes=manifest.total_bytes, error=None)
+    return VerifiedCheckpoint(name=name, url=url, step=step_of(name), status="damaged",
+                              files=None, bytes=None, error=str(damage))
+
+
+def _verify_document(target: str, checked: list[Any]) -> Any:
+    from statereg.schemas.cli import VerifyOutput
+
+    damaged = [c.name for c in checked if c.status == "damaged"]
+    return VerifyOutput(target=target, ok=not damaged, checkpoints=checked, damaged=damaged)
+
+
+def _verify_root(args: argparse.Namespace, url: str) -> int:
+    """Every committed checkpoint of root `url` (or its newest, --latest) read in full: one
+    line each; exit 1 naming the damaged ones, or when there is nothing to verify."""
+    from statereg.engine.checkpoints import scan_root, step_of
+    from statereg.engine.listing import open_root
+    from statereg.engine.report import format_bytes
+
+    options = _options(args)
+    backend = open_root(url, options)
+    scan = scan_root(backend)  # every directory with a manifest, loadable or not
+    found: list[tuple[str, Exception | None]] = [(c.name, None) for c in scan.committed]
+    found += [(name, exc) for name, exc in scan.unreadable.items()]
+    found.sort(key=lambda item: step_of(item[0]) or 0)
+    if args.latest:
+        found = found[-1:]
+    checked = [_verify_one(backend.display(name), options, exc) for name, exc in found]
+    document = _verify_document(backend.url, checked)
+    if args.json:
+        _print_json(document)
+    else:
+        for c in checked:
+            if c.status == "ok":
+                print(f"ok:      {c.url}: {c.files} files, {format_bytes(c.bytes or 0)}")
+            else:
+                print(f"DAMAGED: {c.url}: {c.error}")
+    if not checked:
+        print(f"statereg verify: error: no committed checkpoint in {backend.url} to verify; "
+              f"check the root (`statereg ls {backend.url}`)", file=sys.stderr)
+        return 1
+    if document.damaged:
+        print(f"statereg verify: error: {len(document.damaged)} of {len(checked)} "
+              f"checkpoints damaged: {', '.join(document.damaged)}; load or copy an intact "
+              "one", file=sys.stderr)
+        return 1
+    if not args.json:
+        print(f"{len(checked)} checkpoint(s) verified: every size and checksum matches")
+    return 0
 
 
 def _json_options(text: str | None, flag: str) -> dict[str, Any]:
@@ -308,7 +491,16 @@ def cmd_cp(args: argparse.Namespace) -> None:
     _refuse_existing_copy(dst, name)
     started = time.perf_counter()
     manifest = copy_checkpoint(src, name, dst, recompress)
-    rate = describe_rate(manifest.total_bytes, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    if args.json:
+        from statereg.schemas.cli import CpOutput
+
+        _print_json(CpOutput(source=args.src, destination=dst.display(name),
+                             files=len(manifest.files), bytes=manifest.total_bytes,
+                             seconds=round(seconds, 3),
+                             compression=args.compression or "keep"))
+        return
+    rate = describe_rate(manifest.total_bytes, seconds)
     print(f"copied {args.src} -> {dst.display(name)}: {len(manifest.files)} files, every "
           f"checksum verified; {rate}")
 
@@ -335,11 +527,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from statereg.engine.report import format_bytes, format_table
 
     backend = open_backend(args.root, _options(args))
-    found = collect_garbage(backend, delete=args.delete, grace_s=_duration(args.grace))
+    grace = _duration(args.grace)
+    found = collect_garbage(backend, delete=args.delete, grace_s=grace)
+    if args.json:
+        return _gc_document(backend, found, args.delete, grace)
     if not found:
         print(f"no leftovers in {backend.url}")
         return 0
-    rows = [("path", "what", "size", "age", "action")]
+    rows: list[tuple[str, ...]] = [("path", "what", "size", "age", "action")]
     for item in found:
         age = "-" if item.age_s is None else f"{item.age_s:.0f} s"
         rows.append((item.path, item.kind, format_bytes(item.size), age, item.action))
@@ -357,6 +552,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
               "the action column says why: fix that and run gc again", file=sys.stderr)
         return 1
     return 0
+
+
+def _gc_document(backend: Any, found: list[Any], delete: bool, grace: float) -> int:
+    from statereg.schemas.cli import GcOutput, LeftoverEntry
+
+    failed = [f.path for f in found if f.action.startswith("failed")]
+    _print_json(GcOutput(
+        root=backend.url, delete=delete, grace_s=grace, failed=failed,
+        deletable_bytes=sum(f.size for f in found if f.deletable),
+        leftovers=[LeftoverEntry(path=f.path, kind=f.kind, size=f.size, age_s=f.age_s,
+                                 action=f.action, deletable=f.deletable) for f in found]))
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,13 +589,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-bytes", metavar="SIZE",
                    help="one checkpoint of the whole job's state, e.g. 30GB, for the tiers' "
                    "memory math (default: what --model measures)")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan of each rank as one JSON document (without the "
+                   "tiers block)")
     p.set_defaults(run=cmd_plan)
 
-    p = sub.add_parser("schema", help="print the JSON Schema of statereg.yaml or of manifest.json")
-    p.add_argument("which", nargs="?", choices=("spec", "manifest"), default="spec")
+    p = sub.add_parser("schema", help="print the JSON Schema of statereg.yaml, of manifest.json "
+                       "or of the documents --json prints (cli)")
+    p.add_argument("which", nargs="?", choices=("spec", "manifest", "cli"), default="spec")
     p.add_argument("--path", action="store_true",
                    help="print where the installed schema file is (for an editor's YAML plugin)")
     p.set_defaults(run=cmd_schema)
+
+    def json_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true",
+                       help="print one JSON document (schema: `statereg schema cli`)")
 
     def storage_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--spec", help="take storage options from this statereg.yaml")
@@ -400,18 +615,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint root: path or URL (default: storage.url of --spec)")
     p.add_argument("--memory", metavar="SHM_URL",
                    help="also show this memory tier root (default: the tiers of --spec)")
+    json_arg(p)
     storage_args(p)
     p.set_defaults(run=cmd_ls)
 
     p = sub.add_parser("inspect", help="show a checkpoint's manifest: components, sizes, versions")
     p.add_argument("url", type=_checkpoint_url,
                    help="checkpoint path or URL, e.g. ./checkpoints/step_00000100")
-    p.add_argument("--json", action="store_true", help="print the raw manifest")
+    p.add_argument("--json", action="store_true",
+                   help="print the manifest itself (schema: `statereg schema manifest`)")
     storage_args(p)
     p.set_defaults(run=cmd_inspect)
 
-    p = sub.add_parser("verify", help="recompute every file's size and checksum")
-    p.add_argument("url", type=_checkpoint_url, help="checkpoint path or URL")
+    p = sub.add_parser("verify", help="recompute every file's size and checksum of a "
+                       "checkpoint, or of every checkpoint of a root")
+    p.add_argument("target", type=_verify_target,
+                   help="checkpoint path or URL, or a root to verify every committed "
+                   "checkpoint of")
+    p.add_argument("--latest", action="store_true",
+                   help="with a root: verify only its newest checkpoint")
+    json_arg(p)
     storage_args(p)
     p.set_defaults(run=cmd_verify)
 
@@ -422,6 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", default="1h",
                    help="keep leftovers younger than this, a save may be writing them "
                    "(seconds, or e.g. 30m, 1h; default 1h)")
+    json_arg(p)
     storage_args(p)
     p.set_defaults(run=cmd_gc)
 
@@ -449,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zstd level for --compression (default 3)")
     p.add_argument("--src-options", help="storage options for SRC only (JSON object)")
     p.add_argument("--dst-options", help="storage options for DST only (JSON object)")
+    json_arg(p)
     storage_args(p)
     p.set_defaults(run=cmd_cp)
     return parser
@@ -459,7 +684,8 @@ _REMOTE = ("s3://", "s3a://", "gs://", "gcs://")
 
 def _storage_hint(args: argparse.Namespace) -> str:
     """What to try when a remote store failed and no storage options were given at all."""
-    given = [getattr(args, name, None) for name in ("root", "url", "src", "dst", "out_dir")]
+    given = [getattr(args, name, None)
+             for name in ("root", "url", "target", "src", "dst", "out_dir")]
     remote = [str(u) for u in given if u and str(u).startswith(_REMOTE)]
     explicit = [getattr(args, name, None) for name in
                 ("spec", "options", "src_options", "dst_options")]
@@ -473,10 +699,30 @@ def _storage_hint(args: argparse.Namespace) -> str:
     return hint
 
 
+@contextlib.contextmanager
+def _warnings_to_stderr() -> Iterator[None]:
+    """statereg's warnings (a damaged checkpoint skipped, an entry not readable) on stderr,
+    one line each, while a command runs, unless the program running it configured logging:
+    the package logger has only a NullHandler, which leaves the choice to applications."""
+    if logging.getLogger().handlers:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    package = logging.getLogger("statereg")
+    package.addHandler(handler)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        code = args.run(args)
+        with _warnings_to_stderr():
+            code = args.run(args)
         sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit
     except StorageError as exc:
         print(f"statereg {args.command}: error: {exc}{_storage_hint(args)}", file=sys.stderr)

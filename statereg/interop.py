@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from statereg.backends.registry import open_backend, url_scheme
 from statereg.dcp import METADATA_NAME
 from statereg.engine.by_url import open_checkpoint, split_checkpoint_url
 from statereg.engine.load import KeyReport, LoadResult, missing_as_damage, read_records
-from statereg.engine.report import format_bytes, format_table
+from statereg.engine.report import Progress, describe_rate, format_bytes, format_table
 from statereg.engine.world import World, caught, raise_own
 from statereg.errors import CheckpointMismatchError, CheckpointNotFoundError, SpecError
 from statereg.formats.files import open_model_files
@@ -80,7 +81,25 @@ def prepare_model(source: TensorSource, adapter: ModelAdapter, strict: bool,
     targets = adapter.load_targets(source.metas, {}, strict, cast=True)
     missing, unexpected = adapter.key_differences(source.metas, {})
     report = KeyReport(tuple(sorted(targets)), tuple(missing), tuple(unexpected))
-    return (lambda: source.load_into(targets)), report
+    return (lambda: _load_with_progress(source, targets, adapter.name)), report
+
+
+def _load_with_progress(source: TensorSource, targets: dict[str, torch.Tensor],
+                        what: str) -> None:
+    """Copy `targets` in from `source` under a progress bar: a safetensors directory file
+    by file (each file is read once either way), a DCP directory in its one load."""
+    if isinstance(source, SafetensorsDirectory):
+        by_file: dict[str, list[str]] = {}
+        for name in targets:
+            by_file.setdefault(source.file_of[name], []).append(name)
+        steps = list(by_file.values())
+    else:
+        steps = [list(targets)]
+    total = sum(nbytes(source.metas[n]) for n in targets)
+    with Progress(total, f"load {what}") as progress:
+        for names in steps:
+            source.load_into({n: targets[n] for n in names})
+            progress.update(sum(nbytes(source.metas[n]) for n in names))
 
 
 def _open_directory(path: str | os.PathLike[str], options: dict[str, Any] | None,
@@ -108,12 +127,18 @@ def load_model_from(path: str | os.PathLike[str], model: nn.Module, *,
             "a statereg checkpoint loads with CheckpointManager.load"
         )
     rule = PrefixSpec.model_validate(prefix) if isinstance(prefix, dict) else prefix
-    apply, report = prepare_model(open_foreign(backend, name, kind),
-                                  ModelAdapter("model", model, rule), strict)
+    source = open_foreign(backend, name, kind)
+    apply, report = prepare_model(source, ModelAdapter("model", model, rule), strict)
+    logger.info("loading %s into the model (%s, %d tensors)", backend.display(name),
+                "safetensors" if kind == "hf" else "plain DCP", len(report.loaded))
+    started = time.perf_counter()
     with torch.no_grad(), caught() as loading:
         apply()
     if loading.error is not None:  # DCP wraps a damaged item's error: raise statereg's own
         raise_own(loading.error, f"loading {backend.display(name)}", 0)
+    logger.info("loaded %s: %s", backend.display(name), describe_rate(
+        sum(nbytes(source.metas[n]) for n in report.loaded if n in source.metas),
+        time.perf_counter() - started))
     logger.warning("loaded %s into the model: %s; %s", backend.display(name), report,
                    FOREIGN_NOTE)
     return report
@@ -300,10 +325,22 @@ def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | Non
             raise_own(error, f"reading {backend.display(directory)}", 0)
         return tensors
 
-    write_safetensors(target, "", source.metas, read, limit,
-                      lambda f: written.append(f.path), writes=True, dtype=cast)
+    size = sum(nbytes(m) for m in cast_metas(source.metas, cast).values())
+    logger.info("exporting %r of %s to %s: %d tensors, %s", name, backend.display(ckpt.name),
+                target.display(), len(source.metas), format_bytes(size))
+    started = time.perf_counter()
+    with Progress(sum(nbytes(m) for m in source.metas.values()), f"export {name}") as progress:
+
+        def read_counted(names: list[str]) -> dict[str, torch.Tensor]:
+            tensors = read(names)
+            progress.update(sum(nbytes(source.metas[n]) for n in names))
+            return tensors
+
+        write_safetensors(target, "", source.metas, read_counted, limit,
+                          lambda f: written.append(f.path), writes=True, dtype=cast)
     if config_bytes is not None:
         target.write_bytes("config.json", config_bytes)
         written.append("config.json")
-    size = sum(nbytes(m) for m in cast_metas(source.metas, cast).values())
+    logger.info("exported %s: %d files, %s", target.display(), len(written),
+                describe_rate(size, time.perf_counter() - started))
     return Export(target.display(), tuple(sorted(written)), len(source.metas), size)

@@ -23,6 +23,7 @@ from statereg.engine.checkpoints import (
     scan_root,
     step_of,
 )
+from statereg.engine.listing import CheckpointInfo
 from statereg.engine.load import LoadResult, load_checkpoint, select_components
 from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
 from statereg.engine.retention import best_checkpoints
@@ -45,17 +46,6 @@ from statereg.tiers.engine import TierEngine
 from statereg.tiers.signals import SignalGuard
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A checkpoint's bookkeeping, read from its manifest without loading any tensor."""
-
-    step: int
-    tokens_seen: int | None
-    extra: dict[str, Any]
-    path: str
-    components: tuple[str, ...]
 
 
 def _lint(spec: RegistrySpec, adapters: dict[str, Any], rank: int) -> None:
@@ -568,9 +558,7 @@ class CheckpointManager:
         if resolved is None:
             return None
         backend, committed = resolved
-        m = committed.manifest
-        return CheckpointInfo(m.step, m.tokens_seen, dict(m.extra),
-                              backend.display(committed.name), tuple(m.components))
+        return CheckpointInfo.of(committed.manifest, backend.display(committed.name))
 
     # -- lifetime -----------------------------------------------------------------------
 

@@ -353,9 +353,10 @@ def test_a_url_naming_no_checkpoint_is_refused_not_read_from_the_current_directo
 @pytest.mark.parametrize("url", ["shm://run7", "s3://bucket/", "gs://bucket"])
 def test_a_root_at_the_top_of_a_store_is_refused_as_no_checkpoint(
         url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """`verify shm://run7` once opened 'shm://' and said a shm:// url needs a NAME."""
+    """`inspect shm://run7` once opened 'shm://' and said a shm:// url needs a NAME. (`verify`
+    takes a root too: there a store's top is one, see the verify ROOT tests.)"""
     with pytest.raises(SystemExit) as info:
-        main(["verify", url])
+        main(["inspect", url])
     assert info.value.code == 2
     trimmed = url.rstrip("/")
     assert (f"{url!r} is a root, not a checkpoint directory in it; give one, e.g. "

@@ -1,7 +1,9 @@
-"""What users see: progress bars on a terminal (silent when piped), sizes, rates and tables."""
+"""What users see: progress bars on a terminal (rank 0 only, silent when piped or with
+TQDM_DISABLE=1), sizes, rates and tables."""
 
 from __future__ import annotations
 
+import os
 import sys
 from types import TracebackType
 
@@ -28,12 +30,32 @@ def format_table(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
+def _rank() -> int:
+    """This process's global rank: torch.distributed's when a process group is up, else
+    what a launcher (torchrun, SLURM via torchrun) exported, else 0. Never imports torch."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def progress_enabled() -> bool:
+    """Whether progress bars are drawn: on rank 0 only (under torchrun every rank shares one
+    terminal), when stderr is a terminal, and unless TQDM_DISABLE is set to a true value
+    (tqdm's own off switch, which a bar given `disable=` explicitly would ignore)."""
+    off = os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
+    return not off and _rank() == 0 and sys.stderr.isatty()
+
+
 class Progress:
-    """A byte-counting progress bar shown only when stderr is a terminal."""
+    """A byte-counting progress bar, drawn only where `progress_enabled()` says."""
 
     def __init__(self, total: int, description: str) -> None:
         self._bar = tqdm(total=total, desc=description, unit="B", unit_scale=True,
-                         disable=not sys.stderr.isatty(), leave=False)
+                         disable=not progress_enabled(), leave=False)
 
     def update(self, nbytes: int) -> None:
         self._bar.update(nbytes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import pickle
 import posixpath
+import time
 from collections import defaultdict
 from typing import Any, Literal
 
@@ -41,7 +42,7 @@ from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at
 from statereg.engine.claims import claim_checkpoint, claim_scope
 from statereg.engine.load import read_records
 from statereg.engine.publish import commit
-from statereg.engine.report import Progress
+from statereg.engine.report import Progress, describe_rate, format_bytes
 from statereg.engine.save_steps import file_codec
 from statereg.engine.world import caught, raise_own
 from statereg.errors import CorruptCheckpointError
@@ -195,6 +196,9 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
     are copied byte for byte.
     """
     stored = read_manifest_at(src, name)
+    started = time.perf_counter()
+    logger.info("copying %s to %s: %d files, %s", src.display(name), dst.display(name),
+                len(stored.files), format_bytes(stored.total_bytes))
     # A source saved under a writer token (a store without exclusive creates) is read from
     # its writer directory and copied without one: the copy is claimed like any save.
     src_dir, source = stored.data_dir(name), Committed(name, stored.without_writer())
@@ -246,6 +250,8 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
         latest = read_latest(dst)
         newer = latest is None or (step_of(latest) or -1) < manifest.step
         commit(dst, name, manifest, claim, move_latest=newer)
+        logger.info("copied %s: every checksum verified; %s", dst.display(name),
+                    describe_rate(manifest.total_bytes, time.perf_counter() - started))
         return manifest
 
 
