@@ -545,6 +545,13 @@ def test_ls_with_tiers_shows_where_each_step_lives_without_torch(
 
     assert main(["ls", str(durable), "--memory", "shm://lsrun"]) == 0
     assert capsys.readouterr().out.splitlines()[4:] == lines[4:]
+    assert main(["ls", str(durable), "--memory", "shm://lsrun", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["memory"]["roots"] == [f"shm://lsrun/{memory.name}"]
+    assert {s["step"]: [*s["memory"], s["durable"]] for s in document["memory"]["steps"]} == {
+        10: ["absent", "committed"], 20: ["committed", "committed"],
+        25: ["damaged", "absent"], 30: ["incomplete", "absent"], 40: ["absent", "incomplete"]}
+    assert [c["step"] for c in document["checkpoints"]] == [10, 20]
     assert main(["ls", str(durable), "--memory", str(memory)]) == 2
     assert f"--memory {str(memory)!r}: give a shm://NAME URL" in capsys.readouterr().err
     assert main(["ls", str(durable)]) == 0  # no tiers named: the listing of before tiers
