@@ -32,9 +32,9 @@ from statereg.engine.checkpoints import (
     RETIRED_NAME,
     Committed,
     Listings,
+    RootScan,
     file_damage,
     read_manifest_at,
-    referenced_files,
     refused,
     scan_root,
     skip_entry,
@@ -380,23 +380,16 @@ def retire_damaged(backend: StorageBackend, name: str, damage: StateregError,
     retired (as retention marks what it deletes), then delete its manifest and the writer
     directory its manifest named; the save's claim then removes the rest as leftovers, and
     gc or the next retention finishes an interrupted one. Refused (CheckpointExistsError)
-    while another checkpoint references its files or may (a manifest of a higher step that
-    matches its sum but does not parse): deleting them would damage that one too."""
+    while another checkpoint needs its files (`blocking_readers`): deleting them would
+    damage that one too."""
     shown = backend.display(name)
-    scan = scan_root(backend)
-    readers = sorted(c.name for c in scan.committed if c.name != name
-                     and any(r.path.startswith(f"{name}/") for r in c.manifest.references))
-    # A manifest of a higher step that does not parse (a newer statereg's?) may reference
-    # its files; one that is damaged (not its sum) loads never, and a save of its step
-    # retires it in turn.
-    step = step_of(name) or 0
-    readers += sorted(u for u, exc in scan.unreadable.items() if u != name
-                      and (step_of(u) or 0) > step and not isinstance(exc, CorruptCheckpointError))
+    readers = blocking_readers(backend, name)
     if readers:
+        reader, why = readers[0]
         raise CheckpointExistsError(
-            f"{shown} is damaged ({damage}), but {backend.display(readers[0])} references or "
-            f"may reference its files, so this save cannot replace it: save a different step, "
-            f"or delete {', '.join(readers)} and {name} by hand"
+            f"{shown} is damaged ({damage}), but {backend.display(reader)} needs its files "
+            f"({why}), so this save cannot replace it: save a different step, or delete "
+            f"{', '.join(r for r, _ in readers)} and {name} by hand"
         )
     logger.warning("%s is damaged (%s); this save of its step retires it: its manifest and "
                    "files are deleted and the new checkpoint takes its place", shown, damage)
@@ -411,24 +404,43 @@ def retire_damaged(backend: StorageBackend, name: str, damage: StateregError,
         backend.remove_tree(writer)
 
 
+def blocking_readers(backend: StorageBackend, name: str,
+                     scan: RootScan | None = None) -> list[tuple[str, str]]:
+    """The checkpoints whose files under directory `name` must stay, each with why: a
+    committed (incremental) checkpoint that references files there, unless those files
+    already fail its own records (missing, resized or another checksum: the damage is done,
+    and it loads never); and a manifest of the same or a higher step that matches its sum but
+    does not parse (a newer statereg's?), which may reference them. A damaged manifest
+    (another sum) references nothing that could load; a save of its step retires it."""
+    scan = scan_root(backend) if scan is None else scan
+    step = step_of(name) or 0
+    found = [(u, f"its manifest cannot be read ({exc})")
+             for u, exc in sorted(scan.unreadable.items(), key=lambda item: step_of(item[0]) or 0)
+             if u != name and (step_of(u) or 0) >= step
+             and not isinstance(exc, CorruptCheckpointError)]
+    for ckpt in scan.committed:
+        refs = [r for r in ckpt.manifest.references if r.path.startswith(f"{name}/")]
+        if ckpt.name == name or not refs:
+            continue
+        try:
+            verify_files(backend, "", refs, "full")
+        except CorruptCheckpointError:
+            continue  # broken by this very damage already: keeping the files saves nothing
+        found.append((ckpt.name, f"it references {len(refs)} file(s) there (e.g. "
+                                 f"{refs[0].path})"))
+    return found
+
+
 def refuse_referenced(backend: StorageBackend, name: str) -> None:
-    """CheckpointExistsError if committed (incremental) checkpoints read files under `name`:
+    """CheckpointExistsError if other checkpoints need files under `name` (`blocking_readers`):
     retention keeps those in the directory of a deleted checkpoint."""
-    scan = scan_root(backend)
-    reader = scan.might_reference(name)
-    if reader is not None:
+    readers = blocking_readers(backend, name)
+    if readers:
+        reader, why = readers[0]
         raise CheckpointExistsError(
-            f"{backend.display(name)} holds files that the unreadable manifest of "
-            f"{backend.display(reader)} may reference ({scan.unreadable[reader]}); statereg "
-            f"does not remove them: save a different step, or repair or delete {reader} first"
-        )
-    needed = referenced_files(scan.committed)
-    held = sorted(path for path in needed if path.startswith(f"{name}/"))
-    if held:
-        raise CheckpointExistsError(
-            f"{backend.display(name)} holds {len(held)} file(s) that committed incremental "
-            f"checkpoints reference (e.g. {held[0]}); statereg does not remove them while "
-            "those checkpoints exist: save a different step"
+            f"{backend.display(name)} holds files that {backend.display(reader)} needs ({why}); "
+            "statereg does not remove them while it exists: save a different step, or delete "
+            f"{reader} first"
         )
 
 

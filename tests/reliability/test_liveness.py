@@ -290,3 +290,32 @@ def test_gc_finds_and_removes_the_writer_directory_a_killed_save_left(request, t
     statereg.verify(f"{root.url}/step_00000003", root.options)
     assert root.manager(model_of(2)).load().step == 3
     assert statereg.engine.gc.collect_garbage(backend, grace_s=0) == []
+
+
+def test_a_damaged_base_whose_readers_it_broke_is_retired_and_they_after_it(tmp_path):
+    """Step 3 (incremental) references every file of step 2; step 2's data file is
+    truncated, which damages both. The resume takes step 1; save(2) retires step 2 (step 3
+    cannot load anyway: its files there fail its own records, so it keeps nothing), and
+    save(3) retires step 3 in turn."""
+    root = Root(str(tmp_path / "root"), {})
+    first = root.manager(model_of(1))
+    first.save(1)
+    first.close()
+    same = model_of(2)
+    run = root.manager(same, incremental=True)
+    run.save(2)
+    run.save(3)
+    run.close()
+    assert any(r.path.startswith("step_00000002/") for r in statereg.read_manifest(
+        f"{root.url}/step_00000003").references)
+    truncate(root, 2)
+
+    again = root.manager(model_of(9), incremental=True)
+    assert again.load().step == 1
+    again.save(2)
+    again.save(3)
+    again.save(4)
+    assert [u.rsplit("/", 1)[1] for u in again.list()] == [
+        f"step_{n:08d}" for n in (1, 2, 3, 4)]
+    for n in (2, 3, 4):
+        statereg.verify(f"{root.url}/step_{n:08d}")

@@ -256,8 +256,15 @@ class StorageModel(RuleBasedStateMachine):
             return f"another user's {self.foreign[step]} is there"
         if step in self.claim_damaged:
             return "a planted claim is there"
-        readers = [s for s, c in self.ckpts.items()
-                   if s != step and any(p.startswith(f"{name}/") for p in c.deps)]
+        readers = []
+        for other, ckpt in self.ckpts.items():
+            there = [p for p in ckpt.deps if p.startswith(f"{name}/")]
+            # A reader whose files there are damaged since it committed, or whose manifest
+            # is, loads never: it does not keep them (claims.blocking_readers).
+            if other == step or not there or other in self.bad_manifest or any(
+                    p in self.damage and self.damage[p][1] > ckpt.at for p in there):
+                continue
+            readers.append(other)
         if readers:
             return f"checkpoints {readers} reference files in it"
         return None
