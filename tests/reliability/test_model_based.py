@@ -1289,3 +1289,16 @@ def test_regression_another_users_entries_never_stop_a_restart(tmp_path, quiet):
            ("restart_as_another_user", {"what": "leftover", "saves": 2}),
            ("restart_as_another_user", {"what": "retired leftover", "saves": 1}),
            ("restart_as_another_user", {"what": "file", "saves": 1}), SAVE)
+
+
+def test_regression_a_damaged_manifest_above_never_blocks_the_resave_of_a_damaged_step(
+        tmp_path, quiet):
+    # Seeds 4101 and 4102 of the first long run with the liveness rules: step 3's manifest
+    # a FIFO, step 2 damaged; the restart resumed from 1 and its save(2) was refused, since
+    # step 3's unreadable manifest "may reference" step 2's files. A damaged manifest (not
+    # its sum) references nothing that loads: the save retires step 2, then step 3.
+    replay(tmp_path, {"keep_last": 3}, SAVE, SAVE, SAVE,
+           ("damage_a_manifest", {"pick": -1, "which": "manifest.json", "how": "fifo",
+                                  "to": 0}),
+           ("damage_a_file", {"pick": -1, "file": 1, "how": "truncate", "where": 0.5}),
+           ("restart_and_go_on", {"mode": "plain", "saves": 2}))
