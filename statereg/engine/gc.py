@@ -229,6 +229,13 @@ def find_leftovers(backend: StorageBackend, grace_s: float = DEFAULT_GRACE_S,
             age = _age(stored[entry].mtime, now)
             found.append(Leftover(TEMPORARY, entry, stored[entry].size, age,
                                   _decide(age, grace_s)))
+    # Links and special files under a checkpoint's name: listings leave them out (no
+    # checkpoint is one); gc names them, and never follows nor deletes them.
+    for entry, info in sorted(stored.items()):
+        if step_of(entry) is not None and info.kind not in ("file", "directory"):
+            found.append(Leftover(UNREADABLE, entry, 0, None,
+                                  f"keep: a {info.kind}, not a checkpoint directory; statereg "
+                                  "never follows it: remove it by hand if it is garbage"))
     for ckpt in scan.committed:
         found.extend(_orphan_writers(backend, ckpt, grace_s, now, needed))
     kept_dirs = {f.path for f in found if not f.deletable}

@@ -319,3 +319,25 @@ def test_a_damaged_base_whose_readers_it_broke_is_retired_and_they_after_it(tmp_
         f"step_{n:08d}" for n in (1, 2, 3, 4)]
     for n in (2, 3, 4):
         statereg.verify(f"{root.url}/step_{n:08d}")
+
+
+def test_links_and_fifos_under_a_checkpoints_name_are_named_by_gc_and_skipped(tmp_path,
+                                                                             capsys):
+    root = Root(str(tmp_path / "root"), {})
+    run = root.manager(model_of(1))
+    run.save(1)
+    run.close()
+    os.symlink(str(tmp_path / "root" / "step_00000001"), str(tmp_path / "root" / "step_00000002"))
+    os.mkfifo(str(tmp_path / "root" / "step_00000003"))
+    os.symlink("/nowhere", str(tmp_path / "root" / "step_00000004"))
+
+    again = root.manager(model_of(2))
+    assert again.load().step == 1
+    again.save(5)
+    assert [u.rsplit("/", 1)[1] for u in again.list()] == ["step_00000001", "step_00000005"]
+    assert statereg.cli.main(["gc", root.url, "--delete", "--grace", "0"]) == 0
+    printed = capsys.readouterr().out
+    for name, kind in (("step_00000002", "symlink"), ("step_00000003", "fifo"),
+                       ("step_00000004", "symlink")):
+        assert f"{name}  unreadable entry" in printed and f"keep: a {kind}" in printed
+        assert os.path.lexists(tmp_path / "root" / name)
