@@ -293,7 +293,15 @@ class Statereg(Contender):
         return staged - start, time.perf_counter() - start
 
     def clean(self, rep: int) -> None:
-        """statereg's checkpoints stay: its managers read their roots' state at each save."""
+        """Delete the checkpoints this repetition made (untimed), as the peers' are: each
+        later save is still a manager's later save of a new step."""
+        fs, bucket = self.server.fs, self.server.bucket
+        for kind in ("sync", "async"):
+            root = f"{bucket}/{self.shape}/statereg-{kind}"
+            with contextlib.suppress(FileNotFoundError):
+                for entry in fs.ls(root, detail=False):
+                    if entry.rstrip("/").rsplit("/", 1)[-1].startswith("step_"):
+                        self.server.remove(entry.removeprefix(f"{bucket}/"))
 
     def close(self) -> None:
         self.asynchronous.close()
@@ -369,13 +377,15 @@ class Obstore(RawFloor):
         self.store = S3Store(server.bucket, endpoint=server.endpoint, access_key_id=S3_KEY,
                              secret_access_key=S3_SECRET, region=REGION,
                              virtual_hosted_style_request=False,
-                             client_options={"allow_http": True})
+                             # Generous timeouts: a shared 2-core machine can stall a request.
+                             client_options={"allow_http": True, "timeout": "600s",
+                                             "connect_timeout": "60s"})
 
     def ops(self) -> dict[str, Callable[[int], None]]:
         def put(rep: int) -> None:
             def one(item: tuple[str, bytes]) -> None:
                 self.obstore.put(self.store, f"{self.prefix(rep)}/{item[0]}", item[1],
-                                 chunk_size=16 * MiB, max_concurrency=8)
+                                 chunk_size=16 * MiB, max_concurrency=4)
 
             with ThreadPoolExecutor(IO_THREADS) as pool:
                 list(pool.map(one, self.files.items()))
@@ -405,7 +415,8 @@ class Boto3(RawFloor):
         self.client = boto3.client(
             "s3", endpoint_url=server.endpoint, aws_access_key_id=S3_KEY,
             aws_secret_access_key=S3_SECRET, region_name=REGION,
-            config=Config(max_pool_connections=32, s3={"addressing_style": "path"}))
+            config=Config(max_pool_connections=32, s3={"addressing_style": "path"},
+                          read_timeout=600, connect_timeout=60))
         self.config = TransferConfig(multipart_threshold=16 * MiB,
                                      multipart_chunksize=16 * MiB, max_concurrency=IO_THREADS)
 
@@ -499,20 +510,17 @@ def run_shape(shape: str, args: argparse.Namespace, server: Server,
         load_avg = os.getloadavg()[0]
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             contender = made[name]
+            if contender.status != "ok":
+                continue
             log(f"{shape} rep {rep + 1}/{args.reps}: {name} (load average {load_avg:.1f})")
-            for op, call in contender.ops().items():
-                if op in ("load", "get") and not contender.floor:
-                    for tensor in live.values():
-                        tensor.zero_()
-                got = _timed(lambda c=call, r=rep: c(r))
-                samples[name].setdefault(op, []).append(got)
-                log(f"  {name} {op}: {got['s']:.3f} s, {got['cpu_s']:.2f} CPU-s, "
-                    f"RSS +{got['growth_gb']:.2f} GB")
-                if op == "load":
-                    wrong = [k for k, d in digests(live).items() if d != expected[k]]
-                    if wrong:
-                        raise AssertionError(f"{name}'s load of {shape} is not bit-identical: "
-                                             f"{len(wrong)} tensors differ, e.g. {wrong[0]}")
+            try:
+                measure_ops(contender, rep, live, expected, samples[name], shape)
+            except AssertionError:
+                raise
+            except Exception as exc:  # one client failing ends its rows, not the run
+                contender.status = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                log(f"  {name}: {contender.status}")
+                continue
             if isinstance(contender, Statereg):
                 if first_stall is None:
                     stall, _ = contender.async_save()
@@ -526,14 +534,34 @@ def run_shape(shape: str, args: argparse.Namespace, server: Server,
             contender.clean(rep)
     for name, contender in made.items():
         contender.close()
-        rows = {op: _row(op, got, nbytes) for op, got in samples[name].items()}
+        rows = {op: _row(op, got, nbytes) for op, got in samples[name].items() if got}
         if name == "statereg" and first_stall is not None:
             rows["async_first_stall"] = _row("async_first_stall", [first_stall], nbytes)
-        entries[name] = {"status": "ok", "library": contender.library, "floor": contender.floor,
-                         "rows": rows}
+        entries[name] = {"status": contender.status, "library": contender.library,
+                         "floor": contender.floor, "rows": rows}
     return {"tensors": len(live), "bytes": nbytes, "checkpoint_files": len(files),
             "checkpoint_bytes": sum(map(len, files.values())), "verified": True,
             "contenders": entries, "bars": bars(entries, nbytes)}
+
+
+def measure_ops(contender: Contender, rep: int, live: dict[str, torch.Tensor],
+                expected: dict[str, int], samples: dict[str, list[dict[str, float]]],
+                shape: str) -> None:
+    """One repetition of `contender`'s operations; every load checked bit for bit."""
+    for op, call in contender.ops().items():
+        if op == "load":
+            for tensor in live.values():
+                tensor.zero_()
+        got = _timed(lambda c=call, r=rep: c(r))
+        samples.setdefault(op, []).append(got)
+        log(f"  {contender.name} {op}: {got['s']:.3f} s, {got['cpu_s']:.2f} CPU-s, "
+            f"RSS +{got['growth_gb']:.2f} GB")
+        if op == "load":
+            wrong = [k for k, d in digests(live).items() if d != expected[k]]
+            if wrong:
+                raise AssertionError(f"{contender.name}'s load of {shape} is not "
+                                     f"bit-identical: {len(wrong)} tensors differ, e.g. "
+                                     f"{wrong[0]}")
 
 
 def bars(entries: dict[str, dict[str, Any]], nbytes: int) -> list[dict[str, Any]]:
