@@ -76,7 +76,7 @@ from statereg.integrations._common import declaration_dict, default_async
 from statereg.manager import CheckpointManager
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.ddp import DDPBucketLayout
-from statereg.state.objects import check_loader_shape
+from statereg.state.objects import check_loader_shape, resuming_loader
 from statereg.state.rng import RNGAdapter
 
 try:  # Lightning is needed only when this module is used: import it here, not in statereg
@@ -85,6 +85,10 @@ except ImportError:  # pragma: no cover - the standalone package
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 logger = logging.getLogger(__name__)
+
+# What to do instead of resuming with another train dataloader.
+_NEW_FIT = ("start a new fit in another storage.url (statereg resumes the newest checkpoint "
+            "of the one it is given)")
 
 
 def _indexed(base: str, index: int) -> str:
@@ -354,10 +358,7 @@ class StateregCheckpoint(pl.Callback):
         self._loader.check_sized()
         if self._loader.restored is not None:
             self._loader.restored = check_loader_shape(
-                "train_dataloader", self._loader.restored, self._loader.loader(),
-                "start a new fit in another storage.url (statereg resumes the newest "
-                "checkpoint there), or give the callback a declaration without the "
-                "checkpoints of this run")
+                "train_dataloader", self._loader.restored, self._loader.loader(), _NEW_FIT)
         # Lightning built the loader and made its first iterator, from the epoch's start.
         # Every fit makes it again here, so that what it draws follows a known state of the
         # generators: mid-epoch, the state the saved epoch's iterator found (so a sampler
@@ -377,8 +378,9 @@ class StateregCheckpoint(pl.Callback):
             saved = self._loader.restored
             assert saved is not None
             loader.load_state_dict(saved["loader"])
-            for _ in loader:
-                pass
+            with resuming_loader("train_dataloader", _NEW_FIT):
+                for _ in loader:
+                    pass
             if generator is not None and saved["sampler_generator"] is not None:
                 generator.set_state(saved["sampler_generator"])
             self._load_rng()
@@ -391,7 +393,8 @@ class StateregCheckpoint(pl.Callback):
             return
         assert self._loader.restored is not None
         loader.load_state_dict(self._loader.restored["loader"])
-        with _epoch_order_from(loader, generator, self._epoch.state_dict()["sampler_generator"]):
+        with _epoch_order_from(loader, generator, self._epoch.state_dict()["sampler_generator"]), \
+                resuming_loader("train_dataloader", _NEW_FIT):
             iter(fetcher)
         self._load_rng()
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sized
+import contextlib
+from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
@@ -100,8 +101,8 @@ def _shuffles(sampler: Any) -> bool | None:
 
 def loader_shape(loader: Any) -> dict[str, Any] | None:
     """What decides which samples a data loader yields and in which batches: its batch size,
-    dataset length, whether it shuffles and drops the last batch (None for what it does not
-    say); None if `loader` is no data loader (no `dataset`).
+    dataset length, whether it shuffles and drops the last batch, its sampler's class (None
+    for what it does not say); None if `loader` is no data loader (no `dataset`).
 
     A saved position (StatefulDataLoader's sample and batch counts) only means the same
     place in the data if these are unchanged; the dataloader component records them."""
@@ -120,14 +121,16 @@ def loader_shape(loader: Any) -> dict[str, Any] | None:
         except TypeError:  # an IterableDataset whose __len__ raises
             length = None
     drop_last = getattr(loader, "drop_last", None)
+    sampler = _sampler_of(loader)
     return {"batch_size": batch_size if isinstance(batch_size, int) else None,
             "dataset_length": length,
-            "shuffle": _shuffles(_sampler_of(loader)),
-            "drop_last": drop_last if isinstance(drop_last, bool) else None}
+            "shuffle": _shuffles(sampler),
+            "drop_last": drop_last if isinstance(drop_last, bool) else None,
+            "sampler": None if sampler is None else type(sampler).__name__}
 
 
 _SHAPE_WORDS = {"batch_size": "batch size", "dataset_length": "dataset length",
-                "shuffle": "shuffle", "drop_last": "drop_last"}
+                "shuffle": "shuffle", "drop_last": "drop_last", "sampler": "sampler"}
 
 
 def with_loader_shape(state: Any, loader: Any) -> Any:
@@ -153,16 +156,39 @@ def check_loader_shape(name: str, state: Any, loader: Any, fix: str) -> Any:
     live = loader_shape(loader)
     if live is None or not isinstance(saved, dict):
         return rest
-    changed = [f"{_SHAPE_WORDS[key]} {saved.get(key)!r} -> {live[key]!r}"
-               for key in _SHAPE_WORDS
-               if saved.get(key) is not None and live[key] is not None
-               and saved.get(key) != live[key]]
+    differ = [key for key in _SHAPE_WORDS if saved.get(key) is not None
+              and live[key] is not None and saved.get(key) != live[key]]
+    if "shuffle" in differ and "sampler" in differ:
+        differ.remove("sampler")  # the sampler's class says the same: one shuffle turned off
+    changed = [f"{_SHAPE_WORDS[key]} {saved[key]!r} -> {live[key]!r}" for key in differ]
     if changed:
         raise CheckpointMismatchError(
             f"component {name!r}: the data loader is not the one the checkpoint saved "
             f"({', '.join(changed)}), so its saved position would continue another data "
             f"stream; build the loader as when saved to resume exactly, or {fix}")
     return rest
+
+
+# What torchdata raises when a saved position does not fit the loader it is given (a
+# shorter dataset: StopIteration; another sampler's state: AssertionError, KeyError...).
+_REFUSALS = (StopIteration, AssertionError, IndexError, KeyError, ValueError)
+
+
+@contextlib.contextmanager
+def resuming_loader(name: str, fix: str) -> Iterator[None]:
+    """Around the first iterator a loader builds from a restored position (where torchdata
+    fast-forwards its sampler): what it raises because the position does not fit (a change
+    that loader_shape does not show, or a checkpoint saved before it was recorded) becomes a
+    CheckpointMismatchError naming the component, instead of a bare StopIteration or
+    AssertionError."""
+    try:
+        yield
+    except _REFUSALS as exc:
+        raise CheckpointMismatchError(
+            f"component {name!r}: the data loader could not continue from its saved position "
+            f"({type(exc).__name__}: {exc or 'no message'}), so it is not the loader that was "
+            f"saved (its dataset, sampler or batching changed); build the loader as when "
+            f"saved to resume exactly, or {fix}") from exc
 
 
 class DataloaderAdapter(ObjectAdapter):
@@ -228,10 +254,11 @@ class DataloaderAdapter(ObjectAdapter):
         """
         loader = self.obj
         build = type(loader)._get_iterator
+        name, fix = self.name, self.fix
 
         def build_once() -> Any:
             del loader._get_iterator  # back to the class's method for every later epoch
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), resuming_loader(name, fix):
                 return build(loader)
 
         loader._get_iterator = build_once

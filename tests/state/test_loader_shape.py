@@ -85,12 +85,13 @@ def test_the_recorded_shape_names_what_decides_the_data_stream() -> None:
     from statereg.state.objects import loader_shape
 
     assert loader_shape(_loader(samples=40, batch_size=8, shuffle=False)) == {
-        "batch_size": 8, "dataset_length": 40, "shuffle": False, "drop_last": False}
+        "batch_size": 8, "dataset_length": 40, "shuffle": False, "drop_last": False,
+        "sampler": "SequentialSampler"}
     sampler = torch.utils.data.DistributedSampler(range(10), num_replicas=2, rank=0,
                                                   shuffle=True)
     plain = torch.utils.data.DataLoader(range(10), batch_size=2, sampler=sampler)
     assert loader_shape(plain) == {"batch_size": 2, "dataset_length": 10, "shuffle": True,
-                                   "drop_last": False}
+                                   "drop_last": False, "sampler": "DistributedSampler"}
     assert loader_shape(object()) is None
 
 
@@ -104,3 +105,24 @@ def test_a_state_saved_without_the_shape_loads_unchecked() -> None:
     recorded = with_loader_shape(state, loader)
     assert recorded[LOADER_SHAPE_KEY]["batch_size"] == 4
     assert check_loader_shape("dataloader", recorded, _loader(), "fix") == state
+
+
+@pytest.mark.parametrize(("changed", "raw"), [
+    ({"samples": 8}, "StopIteration"), ({"shuffle": False}, "AssertionError")])
+def test_a_position_that_does_not_fit_unchecked_fails_as_a_mismatch(
+        changed: dict[str, Any], raw: str) -> None:
+    """A state without the recorded shape (saved before it was) given to another loader:
+    torchdata's bare error while the resumed iterator fast-forwards becomes a
+    CheckpointMismatchError naming the component."""
+    from statereg.state.objects import DataloaderAdapter
+
+    saved = _loader()
+    batches = iter(saved)
+    for _ in range(3):
+        next(batches)
+    loader = _loader(**changed)
+    DataloaderAdapter("dataloader", "dataloader", loader).restore(saved.state_dict())
+    with pytest.raises(statereg.CheckpointMismatchError, match=(
+            rf"component 'dataloader': the data loader could not continue from its saved "
+            rf"position \({raw}")):
+        next(iter(loader))
