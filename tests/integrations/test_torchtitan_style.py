@@ -446,3 +446,16 @@ def test_save_between_micro_batches_commits_nothing(tmp_path: Path) -> None:
     off = manager(build(0, 1), {**config, "async_mode": "disabled"})
     assert off.spec.save.async_mode == "off"
     off.close()
+
+
+def test_a_resume_with_another_dataloader_is_refused_naming_the_change(tmp_path: Path) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    config = {"folder": str(tmp_path / "ckpt"), "interval": 2}
+    train(0, 1, config, steps=4, stop_at=3)  # saved at step 2, mid-epoch
+    run = build(0, 1)
+    run["loader"] = StatefulDataLoader(dataset(), batch_size=8, sampler=run["sampler"])
+    with manager(run, config) as ckpt, pytest.raises(statereg.CheckpointMismatchError, match=(
+            r"component 'dataloader': the data loader is not the one the checkpoint saved "
+            r"\(batch size 4 -> 8\)")):
+        ckpt.load()
