@@ -17,6 +17,7 @@ import contextlib
 import io
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,9 +55,13 @@ def root(request: pytest.FixtureRequest, tmp_path) -> Root:
     conditional creates (every file under a writer directory)."""
     if request.param == "local":
         return Root(str(tmp_path / "root"), {})
-    if request.param == "memory":
-        from conftest import make_store
-        return Root(make_store("memory", request, tmp_path).url, {})
+    if request.param == "memory":  # process-global: a fresh folder, removed afterwards
+        import fsspec
+        folder = f"/statereg-{uuid.uuid4().hex[:12]}"
+        memory = fsspec.filesystem("memory")
+        request.addfinalizer(lambda: memory.rm(folder, recursive=True)
+                             if memory.exists(folder) else None)
+        return Root(f"memory://{folder}", {})
     from storage_servers import new_bucket, s3_options
     bucket = new_bucket(request.getfixturevalue("s3_admin"))
     if request.param == "s3":
