@@ -563,16 +563,27 @@ class CheckpointManager:
     # -- lifetime -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for a pending save (and drain) and stop the background threads."""
+        """Wait for a pending save (and drain), stop the background threads, and end the
+        process groups statereg made (their gloo threads with them).
+
+        Call it on every rank before `dist.destroy_process_group()` (leaving the `with`
+        block does): a manager never closed keeps its groups' threads running into
+        interpreter exit, where they can abort the process (docs/distributed.md, "Shutting
+        down"). Not a collective: a rank leaving on an error waits for no other. Under
+        torch.distributed the manager cannot save or load afterwards; a new one can.
+        """
         try:
-            if self._tiers is not None:
-                self._tiers.close()
-        finally:
             try:
-                self._saver.close()
+                if self._tiers is not None:
+                    self._tiers.close()
             finally:
-                if self._signals is not None:  # after the drain: a signal meanwhile flushes
-                    self._signals.uninstall()
+                try:
+                    self._saver.close()
+                finally:
+                    if self._signals is not None:  # after the drain: a signal meanwhile flushes
+                        self._signals.uninstall()
+        finally:
+            self.world.release()  # last: nothing of statereg's runs a collective after it
 
     def __enter__(self) -> CheckpointManager:
         return self

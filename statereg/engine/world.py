@@ -4,10 +4,19 @@ All of statereg's collectives (its status exchange, file reports and DCP's plann
 dedicated gloo group: it works whatever backend training uses (NCCL cannot gather Python
 objects on CPU), and a save running in the background never interleaves its collectives with
 the training loop's on the default group.
+
+Those groups are statereg's to end (`World.release`, run by `CheckpointManager.close()`): a
+gloo group's worker threads stop only when the last reference to the group goes, not at
+`dist.destroy_process_group()`. Left running into interpreter exit, a worker thread that drops
+the last reference to a finished collective holding Python-owned tensors (every
+`*_object` collective's) takes the GIL while the interpreter is finalizing, and the process
+aborts: "terminate called without an active exception" (docs/distributed.md, "Shutting
+down").
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -110,15 +119,25 @@ def raise_own(error: BaseException, what: str, rank: int) -> None:
     raise StateregError(f"{what} failed: {describe(error)}") from error
 
 
+@dataclass
+class _Groups:
+    """The process groups a World uses, in one place so that `World.release` drops every
+    reference at once (the World is shared by the saver, the tiers and the layouts)."""
+
+    world: Any = None  # statereg's own gloo group over all ranks; None when not distributed
+    named: Mapping[str, Any] = field(default_factory=dict)
+    made: list[Any] = field(default_factory=list)  # the groups statereg created: its to destroy
+    released: bool = False
+
+
 @dataclass(frozen=True)
 class World:
     """This process's rank, the world size, and the process groups statereg uses."""
 
     rank: int = 0
     size: int = 1
-    group: Any = None  # statereg's own gloo group over all ranks; None when not distributed
-    groups: Mapping[str, Any] = field(default_factory=dict)
     layout: WorldLayout = field(default_factory=WorldLayout)
+    held: _Groups = field(default_factory=_Groups, repr=False, compare=False)
 
     @classmethod
     def detect(cls, groups: Mapping[str, Any] | None = None) -> World:
@@ -133,6 +152,7 @@ class World:
             return cls()
         groups = dict(groups or {})
         group = dist.new_group(backend="gloo")
+        made = [group]
         rank, size = dist.get_rank(), dist.get_world_size()
         mine = {name: (tuple(sorted(dist.get_process_group_ranks(g))), dist.get_backend(g))
                 for name, g in sorted(groups.items())}
@@ -150,11 +170,56 @@ class World:
                 twin = dist.new_group(list(members), backend="gloo")
                 if rank in members:
                     groups[name] = twin
-        return cls(rank, size, group, groups, layout)
+                    made.append(twin)
+        return cls(rank, size, layout, _Groups(group, groups, made))
 
     @property
     def distributed(self) -> bool:
-        return self.group is not None
+        return self.held.world is not None or self.held.released
+
+    @property
+    def group(self) -> Any:
+        """statereg's own gloo group over all ranks (None when not distributed)."""
+        self._check_live()
+        return self.held.world
+
+    @property
+    def groups(self) -> Mapping[str, Any]:
+        """The named process groups statereg uses (a named NCCL group's gloo twin)."""
+        self._check_live()
+        return self.held.named
+
+    def _check_live(self) -> None:
+        if self.held.released:
+            raise StateregError(
+                "this CheckpointManager is closed: close() (or leaving its `with` block) "
+                "released the process groups it coordinated the ranks on; construct a new "
+                "CheckpointManager (on every rank) to save or load again")
+
+    def release(self) -> None:
+        """Destroy the process groups statereg created and drop every reference to them.
+
+        Local, no collective, so it cannot hang on a rank whose peers are gone or still
+        training: every collective statereg ran has completed on this rank, and a gloo send
+        completes only once the peer has posted its receive, so no peer is left waiting on
+        this rank; a peer that runs a collective on these groups later gets gloo's
+        "Connection closed by peer" at once. Their worker threads end here, while the
+        interpreter is whole, not during its exit (see the module docstring). Named groups
+        the caller passed are only let go, never destroyed: they are the caller's.
+        """
+        held = self.held
+        if held.released:
+            return
+        made = held.made
+        held.world, held.named, held.made, held.released = None, {}, [], True
+        while made:
+            group = made.pop()
+            # Already gone when the user ran dist.destroy_process_group() first: then only
+            # this last reference remains, and dropping it ends the group's threads.
+            if dist.is_initialized():
+                with contextlib.suppress(ValueError):  # "Invalid process group specified"
+                    dist.destroy_process_group(group)
+            del group  # the last reference: the group's destructor joins its worker threads
 
     def process_group(self, collective: str | None) -> Any:
         """The process group of a task's collective (None: this rank alone)."""
