@@ -797,7 +797,10 @@ class StorageModel(RuleBasedStateMachine):
         if self.env.kind != "local" or os.geteuid() != 0:
             return
         self.die()
-        step, self.next_step = self.next_step, self.next_step + 1
+        step = self.next_step
+        while self.root.exists(checkpoint_name(step)):  # e.g. a planted claim's directory
+            step += 1
+        self.next_step = step + 1
         name = checkpoint_name(step)
         os.makedirs(self.root.path, exist_ok=True)
         for top, dirs, files in os.walk(self.root.path):  # the run's files are its user's
@@ -1302,3 +1305,11 @@ def test_regression_a_damaged_manifest_above_never_blocks_the_resave_of_a_damage
                                   "to": 0}),
            ("damage_a_file", {"pick": -1, "file": 1, "how": "truncate", "where": 0.5}),
            ("restart_and_go_on", {"mode": "plain", "saves": 2}))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_regression_another_users_entry_goes_past_a_planted_claim(tmp_path, quiet):
+    # The model's own defect (seed 4205): another user's file was planted over the
+    # directory of a planted claim (IsADirectoryError in the test, not in statereg).
+    replay(tmp_path, {"keep_last": 1}, ("plant_a_claim", {"how": "link", "ahead": 0}),
+           ("restart_as_another_user", {"what": "file", "saves": 1}))
