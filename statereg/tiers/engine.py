@@ -11,11 +11,11 @@ resume from the nearest complete copy (docs/tiers.md).
                   next memory save)
     load()     -> nearest(): the newest step whose files the nodes' folders hold between them,
                   unless storage.url names a newer committed step (read only then); a rank
-                  reads a file its node lacks from the peer node that holds it (transport.py)
+                  reads a file its node lacks from the peer node that holds it (transport/)
 
 This module composes the tier's jobs, each in its own module: identity.py (which folder),
 lock.py (one live job per folder), memory.py (retention), replicas.py (sharing across
-nodes), drain.py (to storage.url), restore.py (nearest), transport.py (the peer server and
+nodes), drain.py (to storage.url), restore.py (nearest), transport/ (the peer server and
 client), node_memory.py (this node's folder, falling back to peers).
 
 The memory root is `shm://<run_id>/<identity>` on each node: the identity folder names the

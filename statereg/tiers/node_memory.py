@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from statereg.backends.base import StorageBackend, StoredFile
+from statereg.backends.base import StoredFile
 from statereg.backends.checksum import Recorded, verify_stream
 from statereg.backends.local import temporary_name
 from statereg.backends.shm import (
@@ -26,6 +26,7 @@ from statereg.backends.shm import (
 )
 from statereg.errors import StorageError
 from statereg.tiers.lock import LOCK_NAME
+from statereg.tiers.transport.client import PeerBackend
 
 
 def check_room(memory: SharedMemoryBackend, needed: int, what: str) -> None:
@@ -74,12 +75,12 @@ class NodeMemoryBackend(SharedMemoryBackend):
     in turn, and shows those files in `walk` as if they were here.
     """
 
-    def __init__(self, url: str, peers: list[StorageBackend] | None = None) -> None:
+    def __init__(self, url: str, peers: list[PeerBackend] | None = None) -> None:
         super().__init__(url)
         self.peers = list(peers or [])
         self.holders: dict[str, tuple[int, list[int]]] = {}
         self.broadcast_reads = False
-        self._found: dict[str, StorageBackend] = {}
+        self._found: dict[str, PeerBackend] = {}
         self._lock = threading.Lock()
 
     def locate(self, holders: dict[str, tuple[int, list[int]]], broadcast_reads: bool) -> None:
@@ -91,12 +92,12 @@ class NodeMemoryBackend(SharedMemoryBackend):
             self._found.clear()
         self.broadcast_reads = broadcast_reads
 
-    def _source(self, path: str) -> StorageBackend:
-        """This node if it has `path`, else a peer that has it; this node (whose read then
-        says the file is missing) if none has it. A peer that cannot be asked is passed
-        over; its StorageError is raised if no other peer has the file."""
+    def _read_from(self, path: str) -> PeerBackend | None:
+        """None if this node has `path`, else a peer that has it; None (this node, whose
+        read then says the file is missing) if none has it. A peer that cannot be asked is
+        passed over; its StorageError is raised if no other peer has the file."""
         if not self.peers or super().exists(path):
-            return self
+            return None
         with self._lock:
             known = self._found.get(path)
         if known is not None:
@@ -117,11 +118,7 @@ class NodeMemoryBackend(SharedMemoryBackend):
                 return peer
         if unreachable is not None:
             raise unreachable
-        return self
-
-    def _read_from(self, path: str) -> StorageBackend | None:
-        source = self._source(path)
-        return None if source is self else source
+        return None
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         """The bytes from this node, else from a peer holding them; a peer that fails (down,
@@ -130,7 +127,7 @@ class NodeMemoryBackend(SharedMemoryBackend):
         peer = self._read_from(path)
         if peer is None:
             return super().read_bytes(path, limit)
-        tried: list[StorageBackend] = []
+        tried: list[PeerBackend] = []
         while True:
             try:
                 return peer.read_bytes(path, limit)
@@ -143,7 +140,7 @@ class NodeMemoryBackend(SharedMemoryBackend):
                     raise
                 peer = following
 
-    def _next_holder(self, path: str, tried: list[StorageBackend]) -> StorageBackend | None:
+    def _next_holder(self, path: str, tried: list[PeerBackend]) -> PeerBackend | None:
         """A peer not in `tried` that answers that it holds `path` (None if none does)."""
         for peer in self.peers:
             if peer in tried:
@@ -169,16 +166,19 @@ class NodeMemoryBackend(SharedMemoryBackend):
     def open_ranges(self, path: str, ranges: Sequence[tuple[int, int]],
                     size: int | None = None) -> Any:
         peer = self._read_from(path)
-        source = super() if peer is None else peer
-        with source.open_ranges(path, ranges, size) as stream:
-            yield stream
+        if peer is None:
+            with super().open_ranges(path, ranges, size) as stream:
+                yield stream
+        else:
+            with peer.open_ranges(path, ranges, size) as stream:
+                yield stream
 
     def open_blocks(self, path: str) -> Any:
         peer = self._read_from(path)
         return super().open_blocks(path) if peer is None else peer.open_blocks(path)
 
     def exists(self, path: str) -> bool:
-        return self._source(path) is not self or super().exists(path)
+        return self._read_from(path) is not None or super().exists(path)
 
     def size(self, path: str) -> int:
         peer = self._read_from(path)
@@ -203,7 +203,7 @@ class NodeMemoryBackend(SharedMemoryBackend):
                      if p.startswith(prefix) and p not in seen and nodes]
         return sorted(here + elsewhere, key=lambda f: f.path)
 
-    def fetch(self, peer: StorageBackend, path: str, record: Recorded) -> None:
+    def fetch(self, peer: PeerBackend, path: str, record: Recorded) -> None:
         """Copy `path` from `peer` into this node's folder (a replica), checked against its
         manifest `record` as it is copied; a reader never sees a part of it, nor a copy that
         does not match (the peer's file rewritten under it, say by the page reuse of a

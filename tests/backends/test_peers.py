@@ -1,4 +1,4 @@
-"""tiers/transport.py and tiers/node_memory.py: a node's memory folder served read-only to
+"""tiers/transport/ and tiers/node_memory.py: a node's memory folder served read-only to
 its peers over 127.0.0.1, and a backend that reads what its own node lacks from them
 (docs/tiers.md)."""
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import checksum_of, new_hasher
 from statereg.engine.verify import verify_files
 from statereg.errors import CorruptCheckpointError, StorageError
@@ -203,16 +204,20 @@ def test_a_peer_that_stops_mid_file_is_a_storage_error_naming_it_and_the_file(
         b.exists("step_00000001/model/data.bin")
 
 
-def test_a_wrong_secret_is_refused_with_a_storage_error_and_a_peer_is_read_only(
+def test_a_wrong_secret_is_refused_with_a_storage_error_and_a_peer_only_reads(
         nodes) -> None:
     _, _, server = nodes
     stranger = open_peer(server.url, bytes(32))
     with pytest.raises(StorageError, match=r"step_00000001/model/data.bin failed: the peer "
                        r"node at .* refused the request \(HTTP 403\): its MAC"):
         stranger.read_bytes("step_00000001/model/data.bin")
-    with pytest.raises(StorageError, match=r"write of http://.*/step_00000001/x refused: a "
-                       "peer node's memory is read only"):
-        open_peer(server.url, server.secret).write_bytes("step_00000001/x", b"no")
+    # Read-only by construction: a peer is no StorageBackend and has nothing that writes,
+    # deletes or lists to refuse (each node writes its own folder).
+    peer = open_peer(server.url, server.secret)
+    assert not isinstance(peer, StorageBackend)
+    assert not [name for name in ("open_write", "write_bytes", "create_bytes", "makedirs",
+                                  "list_dir", "walk", "remove_file", "remove_tree")
+                if hasattr(peer, name)]
     with pytest.raises(StorageError, match="is not a peer server's URL"):
         open_peer(f"{server.url}/token", server.secret)
 

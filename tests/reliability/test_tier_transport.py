@@ -27,7 +27,9 @@ import pytest
 
 from statereg.errors import StorageError
 from statereg.tiers.node_memory import NodeMemoryBackend
-from statereg.tiers.transport import PeerServer, _answer_mac, _request_mac, open_peer
+from statereg.tiers.transport import PeerServer, open_peer
+from statereg.tiers.transport.wire import answer_mac as _answer_mac
+from statereg.tiers.transport.wire import request_mac as _request_mac
 
 DATA = bytes(range(256)) * 64
 PATH = "step_00000001/model/data.bin"
@@ -115,8 +117,10 @@ def test_a_wrong_replayed_or_stale_mac_is_closed_at_once_without_a_thread(
         "wrong secret": _signed(server, bytes(32)),
         "replayed": good,  # the same bytes again: its nonce was seen
         "stale": _signed(server, server.secret, stamp=time.time() - 3600),
-        "no MAC": f"GET /{PATH} HTTP/1.1\r\nRange: bytes=0-9\r\n\r\n".encode(),
-        "a token in the path, as before": f"GET /{'0' * 32}/{PATH} HTTP/1.1\r\n\r\n".encode(),
+        "no MAC": f"GET /{PATH} HTTP/1.1\r\nHost: {server.authority}\r\n"
+                  "Range: bytes=0-9\r\n\r\n".encode(),
+        "a token in the path, as before": f"GET /{'0' * 32}/{PATH} HTTP/1.1\r\n"
+                                          f"Host: {server.authority}\r\n\r\n".encode(),
     }
     for why, request in refused.items():
         with socket.create_connection((server.host, server.port)) as sock:
@@ -244,7 +248,8 @@ def test_the_server_refuses_a_reversed_range_with_416(server: PeerServer) -> Non
     mac = _request_mac(server.secret, "GET", server.authority, f"/{PATH}", "bytes=10-5",
                        stamp, nonce)
     with socket.create_connection((server.host, server.port)) as sock:
-        sock.sendall(f"GET /{PATH} HTTP/1.1\r\nRange: bytes=10-5\r\nAuthorization: "
+        sock.sendall(f"GET /{PATH} HTTP/1.1\r\nHost: {server.authority}\r\n"
+                     "Range: bytes=10-5\r\nAuthorization: "
                      f"statereg-hmac t={stamp},n={nonce},m={mac}\r\n\r\n".encode())
         head = sock.recv(4096).decode()
     assert head.startswith("HTTP/1.1 416") and "Content-Length: 0" in head, head
