@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,17 +41,21 @@ def test_docs_have_runnable_examples() -> None:
 SHM = Path("/dev/shm")
 
 
-def _shm_folders() -> set[str]:
-    """The folders in /dev/shm (files there are other programs' semaphores and segments)."""
-    return {e.name for e in SHM.iterdir() if e.is_dir()} if SHM.is_dir() else set()
+def _left_in(folder: Path) -> list[str]:
+    """Everything under `folder`, files and folders, as paths relative to it."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
 @pytest.mark.parametrize(("where", "code"), EXAMPLES, ids=[w for w, _ in EXAMPLES])
 def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
-    """Each example runs, and leaves no folder in /dev/shm: tmpfs is RAM until deleted, so
-    an example that forgot its memory tier would teach readers to leak it. Its other
-    temporary folders land under tmp_path ($TMPDIR), which pytest removes."""
-    before = _shm_folders()
+    """Each example runs, and leaves nothing in shared memory: tmpfs is RAM until deleted,
+    so an example that forgot its memory tier would teach readers to leak it.
+
+    Each example gets a fresh folder of its own under /dev/shm as $STATEREG_SHM_DIR (the
+    folder statereg's memory tier uses, and the examples' own scratch folders there), which
+    must be empty when it ends: other processes' folders in /dev/shm meanwhile do not count.
+    Its other temporary folders land under tmp_path ($TMPDIR), which pytest removes."""
+    shm = Path(tempfile.mkdtemp(prefix="statereg-docs-", dir=SHM if SHM.is_dir() else tmp_path))
     launch = re.search(r"run with: torchrun --nproc-per-node (\d+)", code.splitlines()[0])
     if launch:
         script = tmp_path / "example.py"
@@ -58,11 +64,15 @@ def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
                    "--nproc-per-node", launch.group(1), str(script)]
     else:
         command = [sys.executable, "-c", code]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert done.returncode == 0, f"{where} failed:\n{done.stderr[-3000:]}"
-    left = sorted(_shm_folders() - before)
-    assert not left, f"{where} left {', '.join(str(SHM / n) for n in left)} in shared memory"
+    try:
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=180, env={**os.environ, "TMPDIR": str(tmp_path),
+                                                "STATEREG_SHM_DIR": str(shm)})
+        assert done.returncode == 0, f"{where} failed:\n{done.stderr[-3000:]}"
+        left = _left_in(shm)
+        assert not left, f"{where} left {', '.join(left)} in shared memory ({shm})"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_the_sharing_table_in_the_docs_is_the_one_the_schema_enforces() -> None:
