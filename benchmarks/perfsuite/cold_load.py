@@ -1,7 +1,7 @@
 """Cold and warm loads, side by side in one run: statereg under each page-cache policy,
 torch.load(mmap=True) + copy_, safetensors, raw reads.
 
-Run by hand (see docs/performance.md, "Cold load" and "The page cache"):
+Run by hand (see benchmarks/results/journal.md, "Cold load" and "The page cache"):
 
     cd benchmarks && ../.venv/bin/python -m perfsuite.cold_load --params 125e6 --reps 5
     cd benchmarks && ../.venv/bin/python -m perfsuite.cold_load --quick   # smoke test

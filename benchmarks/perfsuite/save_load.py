@@ -1,6 +1,6 @@
 """Scenario save_load: statereg's save and load against plain torch.distributed.checkpoint.
 
-(Formerly benchmarks/bench_save_load.py; docs/performance.md, "Save and load against plain
+(Formerly benchmarks/bench_save_load.py; benchmarks/results/journal.md, "Save and load against plain
 DCP", records its figures.)
 
     .venv/bin/python benchmarks/suite.py --only save_load --gb 1 --reps 5

@@ -39,7 +39,7 @@ from statereg.errors import SpecError, StorageError
 
 # Set while a caller opens a file it will not read back soon (compressed data: its load is
 # bound by decoding, not reading): a store with a page cache may write it around the cache
-# (local disk: `storage.read_cache`, docs/performance.md "Compressed saves around the page
+# (local disk: `storage.read_cache`, benchmarks/results/journal.md "Compressed saves around the page
 # cache"). A context variable, not an argument, so that wrappers of `open_write` (fault
 # injection, gates) keep working unchanged.
 WRITE_AROUND_CACHE: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -338,7 +338,7 @@ class StorageBackend:
     parallel_components: ClassVar[bool] = True
     # The same for a compressed save: false where the encoders, not the store, set its pace
     # (a local disk), so a second component's writers would only time-slice the cores and
-    # the GIL with the first's (docs/performance.md, "Compressed saves: one component at a
+    # the GIL with the first's (benchmarks/results/journal.md, "Compressed saves: one component at a
     # time").
     parallel_compressed_components: ClassVar[bool] = True
     # Whether tensor records carry their zip CRC-32s, as torch.save writes them by default:

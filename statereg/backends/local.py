@@ -59,12 +59,12 @@ _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 # Data files are read with O_DIRECT in chunks of this size, this many chunks in flight
-# (docs/performance.md, "Cold load"). O_DIRECT needs offsets and lengths in whole blocks.
+# (benchmarks/results/journal.md, "Cold load"). O_DIRECT needs offsets and lengths in whole blocks.
 _DIRECT_CHUNK = 4 * 1024 * 1024
 _DIRECT_AHEAD = 8
 _DIRECT_ALIGN = 4096
-# `storage.read_cache` (docs/performance.md, "The page cache"): whether what a load reads and
-# a save writes stays in the page cache. auto keeps it when it fits in this share of the
+# `storage.read_cache` (benchmarks/results/journal.md, "The page cache"): whether what a load
+# reads and a save writes stays in the page cache. auto keeps it when it fits in this share of the
 # memory the kernel reports available.
 ReadCache = Literal["auto", "keep", "bypass"]
 READ_CACHE_MODES: tuple[ReadCache, ...] = ("auto", "keep", "bypass")
@@ -275,7 +275,7 @@ class _DirectFile:
     full one with O_DIRECT, `_DIRECT_WRITES_AHEAD` at once, so the disk works while the
     caller makes the next bytes. The kernel neither copies them into its cache nor keeps
     them there: for a compressed save, whose two cores are busy encoding, that copy was a
-    fifth of its time (docs/performance.md, "Compressed saves around the page cache").
+    fifth of its time (benchmarks/results/journal.md, "Compressed saves around the page cache").
     `finish` writes the last piece padded to a whole page and cuts the file back to its
     length. A write the filesystem refuses with O_DIRECT (EINVAL) is done buffered, and so is
     the rest of the file; any other failure is raised by the next `write` or by `finish`, as
@@ -930,7 +930,7 @@ class LocalBackend(StorageBackend):
                 # A cold file read front to back (the readers never seek back: torchsave.py):
                 # the kernel's readahead keeps the disk busy, with twice its window. A thread
                 # asking for the runs ahead (WILLNEED) read this disk at half the rate
-                # (docs/performance.md, "Cold loads read front to back").
+                # (benchmarks/results/journal.md, "Cold loads read front to back").
                 with contextlib.suppress(OSError, AttributeError):  # AttributeError: macOS
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             with self._storage_op("open", path):

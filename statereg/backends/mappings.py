@@ -5,7 +5,7 @@ The memory tier writes each save over the files of a checkpoint retention retire
 a page lookup and lock per 4 KiB (1.5-1.7x a memory copy here), and mapping a file afresh for
 each save costs as much in page-table set-up (`MAP_POPULATE`: 1.5x). A mapping kept from one
 save to the next has its page tables already: copying into it runs at the speed of a memory
-copy (docs/performance.md, "Memory saves into kept mappings, without CRC-32s").
+copy (benchmarks/results/journal.md, "Memory saves into kept mappings, without CRC-32s").
 
 A file's inode comes back to the same writer every keep_last + 1 saves, so the mappings are
 kept by inode, one per file this process writes. A mapping holds its file's pages even after

@@ -58,8 +58,8 @@ def memory_writers() -> int:
     """Files a rank writes (and reads) at once in memory: this process's cores shared among
     the node's ranks, 2 to 8. A memory save is CPU work (copy, hash), so it scales with the
     cores it may use: 2 on a 2-core machine, 8 for one rank on a 16-core node (a 2 GB save
-    there took 5.1x a memory copy with 2 writers, 2.4x with 8; docs/performance.md, "Memory
-    saves on 16 cores")."""
+    there took 5.1x a memory copy with 2 writers, 2.4x with 8; benchmarks/results/journal.md,
+    "Memory saves on 16 cores")."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -241,7 +241,8 @@ class SharedMemoryBackend(LocalBackend):
     broadcast_reads = False
     # Records without zip CRC-32s (torch.save's `set_crc32_options(False)` form): in memory
     # every item is checked by its xxh3 digest, and the CRC pass cost 0.2-0.3x a memory copy
-    # of the save (docs/performance.md, "Memory saves into kept mappings, without CRC-32s").
+    # of the save (benchmarks/results/journal.md, "Memory saves into kept mappings, without
+    # CRC-32s").
     record_crcs = False
     # One component after another, each with its io_threads writers: a 0.5 GB save on two
     # cores took 2.4-2.6x a memory copy with both components' four writers at once, 2.2x so.

@@ -2,10 +2,10 @@
 
 torch computes each zip record's CRC-32 with miniz at ~2.7-5 GB/s, one pass of its own over
 every byte before the write: in a memory-tier save, a third of the CPU time
-(docs/performance.md, "CRC-32s at the speed of the copy"). Here torch's zip writer runs with
-its CRC turned off, and the pieces it writes pass through `CrcRecords`, which computes each
-record's CRC-32 with ISA-L (the maintained `isal` package, ~8 GB/s per core here; the standard
-library's zlib where it is not installed) slice by slice, while the slice is in cache for the
+(benchmarks/results/journal.md, "CRC-32s at the speed of the copy"). Here torch's zip writer
+runs with its CRC turned off, and the pieces it writes pass through `CrcRecords`, which
+computes each record's CRC-32 with ISA-L (the maintained `isal` package, ~8 GB/s per core
+here; the standard library's zlib where it is not installed) slice by slice, while the slice is in cache for the
 write and the hashes after it, and writes it into the data descriptor, the central directory
 and the serialization id exactly where torch would have. The bytes equal `torch.save`'s:
 `writer_checked()` compares both on small probes once per process and falls back to
@@ -29,7 +29,7 @@ With `crcs=False` (a memory root: `StorageBackend.record_crcs`) every CRC-32 sta
 `torch.save` writes under `torch.serialization.set_crc32_options(False)`: torch.load and DCP
 read such records (neither checks a record's CRC-32: a flipped payload byte loads silently),
 and statereg checks every item's bytes with its own xxh3 digest, so in memory the CRC pass
-buys nothing (docs/performance.md, "Memory saves into kept mappings, without CRC-32s").
+buys nothing (benchmarks/results/journal.md, "Memory saves into kept mappings, without CRC-32s").
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ nested-dict assignment, element sizes, the in-place DCP load).
     switch, `set_crc32_options`, is process-wide: another thread's torch.save would lose its
     CRCs), and the function torch.save runs inside it.
     Why: records.py computes the CRC-32s itself, several times faster, and writes
-    torch.save's exact bytes (docs/performance.md, "CRC-32s at the speed of the copy").
+    torch.save's exact bytes (benchmarks/results/journal.md, "CRC-32s at the speed of the copy").
     Fallback: records.py checks once per process that its bytes equal torch.save's; without
     these names, or if they differ, every record is written by torch.save as before.
 """

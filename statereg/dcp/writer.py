@@ -102,7 +102,7 @@ class BackendWriter(FileSystemWriter):
         split: equal bytes, so equal time); compressed, every thread takes the next item, the
         largest first, when it is done with one: encoding speed varies by item, and with fixed
         items one thread was left encoding alone for a fifth of an fp32 save
-        (docs/performance.md, "Compressed saves: every writer busy to the end").
+        (benchmarks/results/journal.md, "Compressed saves: every writer busy to the end").
         """
         prefix = plan.storage_data
         results: queue.Queue = queue.Queue()

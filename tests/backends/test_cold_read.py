@@ -3,8 +3,8 @@ filesystem allows it, buffered elsewhere.
 
 With `read_cache: bypass` (or auto for a checkpoint too large to cache) statereg reads the
 runs of a data file in large aligned O_DIRECT chunks, several in flight, and copies out of
-them (docs/performance.md, "Cold load"). The same bytes must come back whatever the position,
-length and chunk boundaries, and a filesystem that refuses O_DIRECT (procfs here) or keeps
+them (benchmarks/results/journal.md, "Cold load"). The same bytes must come back whatever the
+position, length and chunk boundaries, and a filesystem that refuses O_DIRECT (procfs here) or keeps
 files in memory (tmpfs) is read buffered instead. tests/backends/test_read_cache.py covers
 the policy itself.
 """

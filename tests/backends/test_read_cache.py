@@ -2,7 +2,7 @@
 
 Under the default (auto) a checkpoint that fits comfortably in memory stays in the page
 cache, so a second load of it reads nothing from the disk; `bypass` reads with O_DIRECT and
-drops what a save wrote, so the cache is left as it was (docs/performance.md, "The page
+drops what a save wrote, so the cache is left as it was (benchmarks/results/journal.md, "The page
 cache"). Residency is asked of the kernel with mincore(2) on a mapping of each file, which
 faults nothing in; disk reads are counted by /proc/self/io's read_bytes.
 """

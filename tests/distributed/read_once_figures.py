@@ -1,5 +1,5 @@
 """Per-rank storage requests and bytes of one load on the S3 test server (moto), for
-docs/performance.md ("Loads read each stored byte once"). Run from the repository root:
+benchmarks/results/journal.md ("Loads read each stored byte once"). Run from the repository root:
 
     .venv/bin/python tests/distributed/read_once_figures.py --ranks 1 2 4
 
