@@ -7,9 +7,9 @@ runs with its CRC turned off, and the pieces it writes pass through `CrcRecords`
 computes each record's CRC-32 with ISA-L (the maintained `isal` package, ~8 GB/s per core
 here; the standard library's zlib where it is not installed) slice by slice, while the slice
 is in cache for the write and the hashes after it, and writes it into the data descriptor,
-the central directory and the serialization id exactly where torch would have. The bytes equal `torch.save`'s:
-`writer_checked()` compares both on small probes once per process and falls back to
-`torch.save` if they ever differ (a torch that changes its zip writer), and
+the central directory and the serialization id exactly where torch would have. The bytes
+equal `torch.save`'s: `writer_checked()` compares both on small probes once per process and
+falls back to `torch.save` if they ever differ (a torch that changes its zip writer), and
 tests/backends/test_records.py compares them over dtypes, shapes and sizes.
 
 A record of a tensor of a layout seen before (dtype, shape, strides, storage) is written from
