@@ -430,7 +430,6 @@ class StaticQuantized(Trainee):
     def build_model(self) -> nn.Module:
         from torch.ao.quantization import DeQuantStub, QuantStub
 
-        torch.backends.quantized.engine = "x86"
         float_model = nn.Sequential(QuantStub(), nn.Linear(FEATURES, 16), DeQuantStub()).eval()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -902,7 +901,9 @@ class Row:
     """One kind of stateful object: its trainee, the loops it runs in, and per loop what a
     resume must give: exact (the default), or `refused[loop]`, a text the StateregError's
     message must contain (the offending key). `wrong` marks the cells whose outcome is wrong
-    on today's statereg, by loop or "loop/kill", with the defect (strict xfail)."""
+    on today's statereg, by loop or "loop/kill", with the defect (strict xfail): when a fix
+    lands, its cells pass unexpectedly and fail, and the fix deletes the entry; a fix that
+    refuses rather than restores moves the loop into `refused` with the key it names."""
 
     name: str
     trainee: type[Trainee]
