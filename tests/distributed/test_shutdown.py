@@ -114,6 +114,7 @@ dist.destroy_process_group()
 RUNS = int(os.environ.get("STATEREG_SHUTDOWN_RUNS", "3"))
 
 
+@pytest.mark.timeout(120 + 90 * RUNS)  # a run takes seconds, half a minute on a loaded machine
 def test_a_two_rank_job_exits_cleanly_every_time(tmp_path: Path) -> None:
     """RUNS jobs of two real interpreters each (not forked: a forked child skips the
     interpreter's finalization, where the abort happened), each exiting with status 0.
