@@ -51,6 +51,11 @@ _VALUES = st.one_of(
     st.sampled_from(["bytes=0-9", "bytes=9-0", "bytes 0-99/16384", "bytes */5", "chunked",
                      "close", "statereg-hmac t=1.000,n=00,m=00", "", " ", "\x00", "\x7f"]),
     st.text(st.characters(min_codepoint=0, max_codepoint=255), max_size=40),
+    # A MAC or proof of the right length in any latin-1 text (hmac.compare_digest raises
+    # TypeError on non-ASCII text).
+    st.text(st.characters(min_codepoint=32, max_codepoint=255), min_size=64, max_size=64).map(
+        lambda mac: f"statereg-hmac t=1.000,n={'0' * 32},m={mac}"),
+    st.text(st.characters(min_codepoint=32, max_codepoint=255), min_size=64, max_size=64),
 )
 _LINES = st.lists(st.tuples(_NAMES, _VALUES).map(lambda nv: f"{nv[0]}: {nv[1]}"),
                   max_size=8)
@@ -183,6 +188,17 @@ def test_fuzzed_request_heads_get_a_bare_400_or_403_from_the_selector_thread(
     assert reader.read_bytes(PATH) == DATA  # and the job's reads go on
 
 
+def test_a_mac_in_non_ascii_text_is_a_403_and_the_server_goes_on(server: PeerServer) -> None:
+    # hmac.compare_digest raises TypeError on non-ASCII text: before the MAC had to be hex,
+    # this one unauthenticated request ended the selector thread, and the server with it.
+    stamp, nonce = f"{time.time():.3f}", secrets.token_hex(16)
+    head = (f"GET /{PATH} HTTP/1.1\r\nHost: {server.authority}\r\nAuthorization: "
+            f"statereg-hmac t={stamp},n={nonce},m={chr(0xE9) * 64}\r\n\r\n")
+    got, _ = _exchange(server, _bytes(head))
+    assert got.startswith(b"HTTP/1.1 403 Forbidden")
+    assert open_peer(server.url, server.secret, 2.0).read_bytes(PATH) == DATA
+
+
 @pytest.mark.parametrize("head", ["truncated", "oversized", "oversized, then ended"])
 def test_truncated_and_oversized_request_heads_are_closed_without_an_answer(
         server: PeerServer, head: str) -> None:
@@ -300,6 +316,15 @@ def test_bytes_past_the_asked_range_are_never_read_into_the_answer(liar: _Liar) 
     peer = open_peer(liar.url, SECRET, TIMEOUT)
     assert peer.read_bytes(PATH, limit=100) == DATA[:100]
     assert peer._idle == []
+
+
+def test_a_proof_in_non_ascii_text_is_a_storage_error_naming_the_peer(liar: _Liar) -> None:
+    liar.answer = _answer(206, ["Content-Range: bytes 0-99/16384", "Content-Length: 100",
+                                f"X-Statereg-Proof: {chr(0xE9) * 64}"], False, DATA[:100])
+    _, failure, _ = _read(liar.url)
+    assert isinstance(failure, StorageError), failure
+    assert f"the peer node at 127.0.0.1:{liar.port} answered what was not asked" in str(
+        failure) and "without this job's proof" in str(failure)
 
 
 @pytest.mark.parametrize("cut", ["head cut short", "head past the cap", "body cut short",

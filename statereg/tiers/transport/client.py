@@ -28,6 +28,7 @@ from statereg.errors import StorageError
 from statereg.tiers.transport.address import PEER_HOST_ENV
 from statereg.tiers.transport.wire import (
     CONTENT_RANGE,
+    HEX,
     MAX_HEAD,
     UNSATISFIABLE,
     HeadError,
@@ -296,7 +297,8 @@ class PeerBackend:
                 "clock by more than 5 minutes. Start every rank of the job together and keep "
                 "the nodes' clocks synchronized, or restore from storage.url")
         expected = answer_mac(self._secret, nonce, status, content_range, length_text)
-        if not hmac.compare_digest(expected, proof):
+        # compare_digest refuses non-ASCII text (a TypeError): a proof is hex or no proof.
+        if not (HEX.match(proof) and hmac.compare_digest(expected, proof)):
             lie(f"an answer (HTTP {status}) without this job's proof: another process at "
                 "that address?")
         if not length_text.isdigit():

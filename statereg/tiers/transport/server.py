@@ -161,7 +161,7 @@ class PeerServer:
                             self._wake_read.recv(4096)
                         self._take_returned()
                     else:
-                        self._readable(key.data)
+                        self._readable_or_dropped(key.data)
                 self._expire(time.monotonic())
         finally:
             self._shut()
@@ -226,6 +226,17 @@ class PeerServer:
             if b"\r\n\r\n" in waiting.buffer:
                 self._head(waiting)
 
+    def _readable_or_dropped(self, waiting: _Waiting) -> None:
+        """`_readable`, where a failure to handle one connection's head (a bug: every
+        head is checked) drops that connection instead of ending the selector thread."""
+        try:
+            self._readable(waiting)
+        except Exception as exc:
+            logger.warning("peer server: a request head could not be handled (%r); its "
+                           "connection is closed", exc)
+            if waiting.sock in self._fresh or waiting.sock in self._kept:
+                self._drop(waiting)
+
     def _readable(self, waiting: _Waiting) -> None:
         try:
             data = waiting.sock.recv(4096)
@@ -286,7 +297,9 @@ class PeerServer:
             return None
         parts = dict(item.partition("=")[::2] for item in fields.split(","))
         stamp, nonce, mac = parts.get("t", ""), parts.get("n", ""), parts.get("m", "")
-        if not (len(nonce) == 32 and HEX.match(nonce) and len(mac) == 64
+        # Hex before compare_digest, which raises TypeError on non-ASCII text: one such
+        # header would otherwise end the selector thread, and the server with it.
+        if not (len(nonce) == 32 and HEX.match(nonce) and len(mac) == 64 and HEX.match(mac)
                 and STAMP.match(stamp)):
             return None
         expected = request_mac(self.secret, method, self.authority, target,
