@@ -500,6 +500,9 @@ def run_shape(shape: str, args: argparse.Namespace, server: Server,
         if available.get(package, NOT_INSTALLED) == NOT_INSTALLED:
             entries[name] = {"status": NOT_INSTALLED, "rows": {}}
             continue
+        if name in args.skip.split(","):
+            entries[name] = {"status": "skipped: --skip", "rows": {}}
+            continue
         made[name] = build()
     for contender in made.values():
         contender.shape = shape
@@ -527,6 +530,7 @@ def run_shape(shape: str, args: argparse.Namespace, server: Server,
                     first_stall = {"s": stall, "cpu_s": 0.0, "peak_gb": 0.0, "growth_gb": 0.0}
                 with peak_rss() as peak:
                     stall, commit = contender.async_save()
+                log(f"  statereg async: stall {stall:.3f} s, committed {commit:.3f} s")
                 for op, seconds in (("async_stall", stall), ("async_commit", commit)):
                     samples[name].setdefault(op, []).append(
                         {"s": seconds, "cpu_s": 0.0, "peak_gb": peak.peak_gb,
@@ -645,6 +649,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--small-tensors", type=int, default=20000,
                         help="small shape's tensors, 4-64 KB each (20000)")
     parser.add_argument("--shapes", default="large,small", help="large,small")
+    parser.add_argument("--skip", default="",
+                        help="peers to leave out, comma-separated (e.g. dcp_fsspec: its load "
+                             "of 20,000 tensors is one GET per tensor, minutes here)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions (3)")
     parser.add_argument("--dir", default=None, help="where SeaweedFS keeps its data")
     parser.add_argument("--out", default="s3-results", help="folder for s3.json and s3.md")
