@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, cast
 
 import numpy as np
 
@@ -500,7 +500,8 @@ def _cached_share(fd: int, ranges: Sequence[tuple[int, int]]) -> float:
         return 0.0
     counted = [_cached_pages(libc, fd, first, pages) for first, pages in spans]
     if None not in counted:
-        return sum(min(c, pages) for c, (_, pages) in zip(counted, spans, strict=True)) / total
+        whole = cast("list[int]", counted)  # every span answered
+        return sum(min(c, pages) for c, (_, pages) in zip(whole, spans, strict=True)) / total
     address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if address in (None, ctypes.c_void_p(-1).value):
         return 0.0
@@ -934,12 +935,12 @@ class LocalBackend(StorageBackend):
                 with contextlib.suppress(OSError, AttributeError):  # AttributeError: macOS
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             with self._storage_op("open", path):
-                stream: Any = open(fd, "rb")  # noqa: SIM115 - closed below
-            with stream:
-                yield stream
+                plain = open(fd, "rb")  # noqa: SIM115 - closed below
+            with plain:
+                yield plain
             return
-        with _DirectReads(self, path, fd, ranges) as stream:
-            yield stream
+        with _DirectReads(self, path, fd, ranges) as direct:
+            yield cast(IO[bytes], direct)  # file-like: read, readinto, seek, tell
 
     def exists(self, path: str) -> bool:
         """Whether an entry is at `path` (a link counts as itself; a path through a link is

@@ -240,13 +240,16 @@ def encode_planes(body: memoryview, elem_size: int, rotate: bool,
                     coded.append((_NIBBLES, packed))
                     continue
             if k not in chosen:
-                chosen[k] = _best_compressor(memoryview(view), settings)
+                # numpy's stubs give ndarray __buffer__ only on 3.12+:
+                chosen[k] = _best_compressor(memoryview(view), settings)  # type: ignore[arg-type]
             compressor = chosen[k]
-            frame = compressor.compress(view) if compressor is not None else None
+            # numpy's stubs give ndarray __buffer__ only on 3.12+:
+            frame = compressor.compress(view) if compressor is not None else None  # type: ignore[arg-type]
             if frame is not None and len(frame) < count * _WORTH_IT:
                 coded.append((_ZSTD, frame))
             else:
-                coded.append((_RAW, memoryview(view)))
+                # numpy's stubs give ndarray __buffer__ only on 3.12+:
+                coded.append((_RAW, memoryview(view)))  # type: ignore[arg-type]
         write(b"".join(_PLANE.pack(mode, len(chunk)) for mode, chunk in coded))
         for _, chunk in coded:
             write(chunk)
@@ -312,7 +315,8 @@ def _nibble_exponents(exponents: np.ndarray, settings: CompressionSettings,
     paired, packed = scratch.paired[:half + 1], spare[:half]
     np.multiply(codes[:2 * half].view("<u2"), np.uint16(0x1001), out=paired[:half])
     np.copyto(packed, _high_bytes(paired), casting="unsafe")
-    return b"".join([_NIBBLE_HEADER.pack(base, escape_count), _plane(settings).compress(packed),
+    # numpy's stubs give ndarray __buffer__ only on 3.12+:
+    return b"".join([_NIBBLE_HEADER.pack(base, escape_count), _plane(settings).compress(packed),  # type: ignore[arg-type]
                      escapes])
 
 
@@ -360,7 +364,7 @@ def _best_compressor(plane: memoryview, settings: CompressionSettings,
     return candidates[best] if sizes[best] < len(sample) * _WORTH_IT else None
 
 
-def decode_zstd(frame: bytes, bound: int, source: str) -> bytes:
+def decode_zstd(frame: bytes | bytearray | memoryview, bound: int, source: str) -> bytes:
     """Decompress one zstd frame that must not inflate past `bound` bytes."""
     try:
         declared = zstandard.frame_content_size(frame)
@@ -466,7 +470,8 @@ def frame_stream(frame: bytes, bound: int, source: str) -> FrameStream | None:
     return FrameStream(frame, size, source) if 0 <= size <= bound else None
 
 
-def decode_planes(blob: bytes | memoryview, bound: int, source: str) -> bytearray:
+def decode_planes(blob: bytes | bytearray | memoryview, bound: int, source: str,
+                  ) -> bytearray:
     """Invert `encode_planes`, checking every length against the blob and `bound`."""
 
     blob = memoryview(blob)
@@ -556,6 +561,7 @@ def _decode_planes_v2(blob: memoryview, header: tuple[int, ...], body: memoryvie
         for k in range(elem_size):
             mode, length = fields[2 * k], fields[2 * k + 1]
             chunk = take(length, f"plane {k}")
+            plane: memoryview | bytes | np.ndarray
             if mode == _RAW:
                 plane = chunk
             elif mode == _ZSTD:
@@ -576,7 +582,8 @@ def _decode_planes_v2(blob: memoryview, header: tuple[int, ...], body: memoryvie
             planes[-2] = np.bitwise_or(np.right_shift(nxt, 1), top_low)
         for k in range(elem_size):
             block[:, k] = planes[k]
-        hasher.update(block)
+        # numpy's stubs give ndarray __buffer__ only on 3.12+:
+        hasher.update(block)  # type: ignore[arg-type]
     suffix = take(suffix_len, "suffix")
     if pos != len(blob):
         raise _damaged(source, f"{len(blob) - pos} unexpected trailing bytes")
@@ -610,6 +617,7 @@ def _decode_planes_v1(blob: memoryview, bound: int, source: str) -> bytearray:
         chunk = blob[pos:pos + length]
         if len(chunk) != length:
             raise _damaged(source, f"plane {k} is truncated")
+        plane: memoryview | bytes
         if mode == _RAW:
             plane = chunk
         elif mode == _ZSTD:
@@ -634,7 +642,7 @@ def _decode_planes_v1(blob: memoryview, bound: int, source: str) -> bytearray:
     return out
 
 
-def decode(descriptors: Sequence[str], blob: bytes, bound: int, source: str,
+def decode(descriptors: Sequence[str], blob: bytes | bytearray, bound: int, source: str,
            ) -> bytes | bytearray:
     """Undo the transforms named by DCP's per-item descriptors (outermost first)."""
     for descriptor in descriptors:

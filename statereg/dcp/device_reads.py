@@ -28,7 +28,8 @@ class _Ring:
     def __init__(self) -> None:
         self.slices = [torch.empty(LANDING_SLICE, dtype=torch.uint8, pin_memory=True)
                        for _ in range(_RING)]
-        self.views = [memoryview(s.numpy()) for s in self.slices]
+        # numpy's stubs give ndarray __buffer__ only on 3.12+:
+        self.views = [memoryview(s.numpy()) for s in self.slices]  # type: ignore[arg-type]
         self.done: list[Any] = [None] * _RING
         self.turn = 0
 

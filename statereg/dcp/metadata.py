@@ -14,7 +14,7 @@ import io
 import pickle
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -109,7 +109,7 @@ def load_dcp_metadata(data: bytes, source: str, digest: bytes | None = None) -> 
     return metadata
 
 
-def _is_size(value: Any) -> bool:
+def _is_size(value: Any) -> TypeGuard[torch.Size]:
     return isinstance(value, torch.Size) and all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value)
 

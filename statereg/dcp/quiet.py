@@ -41,5 +41,6 @@ def single_process_dcp() -> Iterator[None]:
                 # An "ignore" entry leaves nothing in warning registries, so removing it
                 # needs no cache reset; it may already be gone (catch_warnings restored).
                 if _entry in warnings.filters:
-                    warnings.filters.remove(_entry)
+                    # a list at runtime; typeshed declares it a Sequence:
+                    warnings.filters.remove(_entry)  # type: ignore[attr-defined]
                 _entry = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import itertools
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -63,6 +63,9 @@ class BackendReader(FileSystemReader):
     `VerifiedReads` backend the records default to its own, so any reader built on a
     verified backend (export, inspect, copy) checks what it reads.
     """
+
+    fs: BackendFileSystem  # DCP's reader declares a FileSystem; this one is always ours
+    path: str  # BackendFileSystem.init_path returns a str
 
     def __init__(self, backend: ReadableStore, path: str, thread_count: int | None = None,
                  records: Mapping[str, Recorded] | None = None) -> None:
@@ -180,7 +183,8 @@ class BackendReader(FileSystemReader):
             hasher = xxhash.xxh3_64() if expected is not None else None
             if torchsave.read_into(stream, info.offset, info.length, target, hasher, landing,
                                    view):
-                if hasher is not None and hasher.intdigest() != expected:
+                if hasher is not None and expected is not None \
+                        and hasher.intdigest() != expected:
                     _check_item(self.describe_item(req.storage_index), expected,
                                 hasher.intdigest())
                 planner.commit_tensor(req, target)
@@ -201,7 +205,7 @@ class BackendReader(FileSystemReader):
             bound = self.decoded_bound(req.storage_index)
             if (resolved is not None and resolved[1] is not None
                     and _decode_in_place(info.transform_descriptors, blob, bound, where,
-                                         *resolved)):
+                                         resolved[0], resolved[1])):
                 planner.commit_tensor(req, resolved[0])
                 return
             blob = codec.decode(info.transform_descriptors, blob, bound, where)
@@ -265,9 +269,10 @@ class BackendReader(FileSystemReader):
         # A fresh object each time (DCP sets fields on it), the same bytes checked once.
         metadata = load_dcp_metadata(self._metadata_bytes, self._backend.display(meta_path),
                                      self._metadata_digest)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -329,7 +334,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def load_in_place(state: dict[str, Any], reader: BackendReader, planner: LoadPlanner) -> None:
+def load_in_place(state: dict[str, Any], reader: BackendReader,
+                  planner: DefaultLoadPlanner) -> None:
     """`dcp.load` into `state`, keeping the entries `planner.set_up_planner` adds to it.
 
     dcp.load hands the planner a copy of `state`; a planner that fills in the keys itself
@@ -360,9 +366,10 @@ def _set_element(root: dict[str, Any], path: Sequence[str | int], value: Any) ->
     container: Any = root
     for key, following in itertools.pairwise(path):
         empty: Any = {} if isinstance(following, str) else []
-        if isinstance(container, Mapping):
+        if isinstance(container, MutableMapping):
             container = container.setdefault(key, empty)
         else:
+            assert isinstance(key, int)  # a list's index (see the docstring)
             container.extend([None] * (key + 1 - len(container)))
             if container[key] is None:
                 container[key] = empty

@@ -40,7 +40,7 @@ import pickle
 import struct
 import threading
 import zipfile
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -341,7 +341,9 @@ class _Template:
 
 def _storage_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
     """The bytes of the storage `tensor` covers exactly (what torch.save writes)."""
-    flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), 0, (nbytes,))
+    # torch's stubs require a stride here; the 3-argument form is valid (contiguous):
+    flat = torch.empty(0, dtype=torch.uint8).set_(  # type: ignore[call-overload]
+        tensor.untyped_storage(), 0, (nbytes,))
     return memoryview(flat.numpy()).cast("B")
 
 
@@ -392,7 +394,7 @@ def _template(tensor: torch.Tensor, nbytes: int, crcs: bool) -> _Template | None
            nbytes, tensor.requires_grad, torch_private.storage_alignment(), crcs)
     found = _templates.get(key, _NOT_MADE)
     if found is not _NOT_MADE:
-        return found
+        return cast("_Template | None", found)
     made = _make_template(tensor, nbytes, crcs)
     if len(_templates) >= _TEMPLATES_KEPT:  # layouts that come and go (one-off shapes)
         _templates.clear()

@@ -34,5 +34,6 @@ def item_key(index: MetadataIndex) -> str:
 def tensor_digest(tensor: torch.Tensor) -> str:
     """xxh3_128 of a tensor's bytes, with its dtype and shape (equal digests: equal tensors)."""
     data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    # numpy's stubs give ndarray __buffer__ only on 3.12+:
     return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}:" + \
-        xxhash.xxh3_128_hexdigest(data)
+        xxhash.xxh3_128_hexdigest(data)  # type: ignore[arg-type]

@@ -71,7 +71,7 @@ try:
     EXTENSIONS_AVAILABLE = True
 except ImportError:  # see the docstring: statereg's reader needs no registry
     EXTENSIONS_AVAILABLE = False
-    ExtensionRegistry = None
+    ExtensionRegistry = None  # type: ignore[misc,assignment]  # torch without `_extension`
 
     class StreamTransformExtension(abc.ABC):  # type: ignore[no-redef]
         """Stand-in with the interface of DCP's base, for a torch without `_extension`."""
@@ -101,7 +101,7 @@ except ImportError:  # see the docstring: statereg's reader needs no registry
 try:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 except ImportError:  # see the docstring: the public dcp.load is used instead
-    _load_state_dict = None
+    _load_state_dict = None  # type: ignore[assignment]  # torch without it: None, checked
 
 try:
     from torch._C import PyTorchFileWriter

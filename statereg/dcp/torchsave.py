@@ -128,7 +128,8 @@ class RecordWindow(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")[:self.length - self.pos]
         self.base.seek(self.offset + self.pos)
-        got = self.base.readinto(view) or 0
+        # typing.IO lacks readinto; callers pass io streams:
+        got = self.base.readinto(view) or 0  # type: ignore[attr-defined]
         self.pos += got
         return got
 
@@ -177,7 +178,8 @@ def _walk_head(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple
         fields = _LOCAL_HEADER.unpack_from(head, pos)
         flags, method, csize, name_len, extra_len = fields[3], fields[4], fields[8], \
             fields[10], fields[11]
-        if fields[0] != zipfile.stringFileHeader or method != zipfile.ZIP_STORED:
+        # zipfile's private constant, not in typeshed:
+        if fields[0] != zipfile.stringFileHeader or method != zipfile.ZIP_STORED:  # type: ignore[attr-defined]
             raise _NotPlain("local header")
         start = pos + _LOCAL_HEADER.size + name_len + extra_len
         member = head[pos + _LOCAL_HEADER.size:start - extra_len].decode("utf-8").split("/", 1)[-1]
@@ -276,7 +278,8 @@ def frames(prefix: bytes, suffix: bytes, target: torch.Tensor) -> bool:
 
 def _member_start(window: RecordWindow, info: zipfile.ZipInfo) -> int:
     header = _LOCAL_HEADER.unpack(_read_exact(window, info.header_offset, _LOCAL_HEADER.size))
-    if header[0] != zipfile.stringFileHeader:
+    # zipfile's private constant, not in typeshed:
+    if header[0] != zipfile.stringFileHeader:  # type: ignore[attr-defined]
         raise _NotPlain("local header")
     start = info.header_offset + _LOCAL_HEADER.size + header[10] + header[11]
     if start + info.file_size > window.length:
@@ -314,7 +317,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview | None:
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_quantized \
             or tensor.is_sparse:
         return None
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    # numpy's stubs give ndarray __buffer__ only on 3.12+:
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
@@ -406,7 +410,8 @@ def _read_upto(stream: IO[bytes], size: int) -> bytes:
 def _read_exactly(stream: IO[bytes], view: memoryview) -> None:
     """Fill `view` from `stream`; EOFError if the stream ends first."""
     while view:
-        got = stream.readinto(view)
+        # typing.IO lacks readinto; callers pass io streams:
+        got = stream.readinto(view)  # type: ignore[attr-defined]
         if not got:
             raise EOFError(f"stream ended {len(view)} bytes before the tensor's end")
         view = view[got:]
@@ -492,7 +497,8 @@ def load(stream: IO[bytes], offset: int, length: int, where: str) -> Any:
     """
     try:
         check_bounded(RecordWindow(stream, offset, length), length)
-        return torch.load(RecordWindow(stream, offset, length), map_location="cpu",
+        # torch.load accepts any file-like object; its annotation says IO[bytes]:
+        return torch.load(RecordWindow(stream, offset, length), map_location="cpu",  # type: ignore[arg-type]
                           weights_only=True)
     except pickle.UnpicklingError as exc:
         raise CorruptCheckpointError(

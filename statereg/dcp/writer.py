@@ -66,6 +66,8 @@ class BackendWriter(FileSystemWriter):
     What it did is in `report` (a WriteReport) once `dcp.save` returns.
     """
 
+    fs: BackendFileSystem  # DCP's writer declares a FileSystem; this one is always ours
+
     def __init__(self, backend: StorageBackend, path: str, recorder: FileRecorder,
                  thread_count: int = 1,
                  compression: codec.CompressionSettings | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from types import TracebackType
 
 from tqdm import tqdm
@@ -24,7 +25,7 @@ def describe_rate(nbytes: int, seconds: float) -> str:
     return f"{format_bytes(nbytes)} in {seconds:.2f} s ({format_bytes(rate)}/s)"
 
 
-def format_table(rows: list[tuple[str, ...]]) -> list[str]:
+def format_table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     """Left-aligned columns separated by two spaces; the first row is the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -27,7 +27,8 @@ def _like(original: torch.Tensor, local_copy: torch.Tensor) -> torch.Tensor:
     if hasattr(original, "_local_tensor"):
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local_copy, original.device_mesh, original.placements,
+        dtensor = cast(DTensor, original)
+        return DTensor.from_local(local_copy, dtensor.device_mesh, dtensor.placements,
                                   run_check=False, shape=original.shape,
                                   stride=original.stride())
     return local_copy
@@ -151,12 +152,14 @@ class StagingArea:
         arena = arena[base:base + total]
         if self._pin and total:
             _register(arena)
-        memory = memoryview(arena.numpy()) if total else None
+        # numpy's stubs give ndarray __buffer__ only on 3.12+:
+        memory = memoryview(arena.numpy()) if total else None  # type: ignore[arg-type]
         for (slot, local), offset in zip(slots, offsets, strict=True):
             if local.nbytes == 0:
                 buf = torch.empty(local.shape, dtype=local.dtype)
             else:
                 # A storage of exactly these bytes, inside the arena (kept alive by it).
+                assert memory is not None  # total > 0 whenever a slot has bytes
                 raw = torch.frombuffer(memory[offset:offset + local.nbytes], dtype=torch.uint8)
                 buf = raw.view(local.dtype).view(local.shape)
             self._buffers[slot] = buf

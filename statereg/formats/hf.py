@@ -121,7 +121,8 @@ def _entry_meta(where: str, name: str, entry: object) -> TensorMeta:
     if not isinstance(entry, dict):
         raise CorruptCheckpointError(f"{where}: tensor {name!r} has a header entry that is "
                                      "not a JSON object; the file is damaged")
-    dtype = _DTYPES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    dtype_name = entry.get("dtype")
+    dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise CorruptCheckpointError(f"{where}: tensor {name!r} has unsupported dtype "
                                      f"{entry.get('dtype')!r}")

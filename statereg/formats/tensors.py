@@ -8,11 +8,14 @@ tensor, so loading needs no collective and works at any world size.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 from statereg.errors import CorruptCheckpointError
 from statereg.formats.names import group_by_size
@@ -53,12 +56,13 @@ def _local_piece(tensor: torch.Tensor, group_rank: int) -> tuple[tuple[int, ...]
     rank (replicated, or DDP), so rank 0 of the group sends it.
     """
     if hasattr(tensor, "device_mesh"):
-        coordinate = tensor.device_mesh.get_coordinate() or []
-        for dim, placement in enumerate(tensor.placements):
+        dtensor = cast("DTensor", tensor)
+        coordinate = dtensor.device_mesh.get_coordinate() or []
+        for dim, placement in enumerate(dtensor.placements):
             if placement.is_replicate() and coordinate[dim] != 0:
                 return None
-        chunk = tensor.__create_chunk_list__()[0]
-        return tuple(chunk.offsets), _compact(tensor.to_local().detach().cpu())
+        chunk = dtensor.__create_chunk_list__()[0]
+        return tuple(chunk.offsets), _compact(dtensor.to_local().detach().cpu())
     if group_rank != 0:
         return None
     return (0,) * tensor.dim(), _compact(tensor.detach().cpu())
@@ -109,8 +113,9 @@ def gather_full(tensors: dict[str, torch.Tensor], names: list[str], group: Any,
 def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy `full` into `target`; a DTensor target takes only its own shard (no collective)."""
     if hasattr(target, "device_mesh"):
-        chunk = target.__create_chunk_list__()[0]
-        local = target.to_local()
+        dtarget = cast("DTensor", target)
+        chunk = dtarget.__create_chunk_list__()[0]
+        local = dtarget.to_local()
         local.copy_(full[_slices(tuple(chunk.offsets), local.shape)])
     else:
         target.copy_(full)

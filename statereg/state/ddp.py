@@ -48,7 +48,7 @@ def _reducer_parameters(ddp: Any) -> list[nn.Parameter]:
     `named_modules()` order, their own trainable parameters, shared ones once, ignored ones
     left out), built here without that method's side effects.
     """
-    ignored = getattr(ddp, "parameters_to_ignore", set())
+    ignored: set[str] = getattr(ddp, "parameters_to_ignore", set())
     seen: set[int] = set()
     params: list[nn.Parameter] = []
     for module_name, module in ddp.module.named_modules():
@@ -120,7 +120,9 @@ class DDPBucketLayout:
         # refreshing between iterations reads the reducer as it is now, and only resets
         # timing statistics.
         if refresh:
-            self.ddp.logger.set_runtime_stats_and_log()
+            logger = self.ddp.logger
+            assert logger is not None  # DDP.__init__ sets it; Optional only in torch's annotation
+            logger.set_runtime_stats_and_log()
         return dict(self.ddp._get_ddp_logging_data())
 
     def _never_rebuilds(self) -> bool:

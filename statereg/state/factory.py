@@ -119,9 +119,9 @@ def build_adapters(spec: RegistrySpec, objects: dict[str, Any]) -> dict[str, Ada
     adapters: dict[str, Adapter] = {}
     for name, comp in spec.components.items():
         if comp.kind == "model" and name in objects:
-            adapters[name] = ModelAdapter(name, objects[name], comp.prefix,
-                                          comp.trainable_only)
-            adapters[name].carry_layout = comp.ddp_layout
+            made = ModelAdapter(name, objects[name], comp.prefix, comp.trainable_only)
+            made.carry_layout = comp.ddp_layout
+            adapters[name] = made
     for name, comp in spec.components.items():
         if comp.kind == "rng":
             adapters[name] = RNGAdapter(name)

@@ -135,7 +135,7 @@ class OptimizerAdapter:
         self._check_groups(extra["param_groups"])
         params = self._params_by_name()
         targets: dict[str, torch.Tensor] = {}
-        for key, meta in stored.items():
+        for key, item in stored.items():  # `meta` (the parameter) is the component's own
             pname, entry = _split_key(key)
             param = params.get(pname)
             if param is None:
@@ -144,13 +144,13 @@ class OptimizerAdapter:
                     f"which is not a parameter of model component {self.model.name!r}"
                 )
             existing = self.optimizer.state.get(param, {}).get(entry)
-            if (isinstance(existing, torch.Tensor) and tuple(existing.shape) == meta.shape
-                    and existing.dtype == meta.dtype):
+            if (isinstance(existing, torch.Tensor) and tuple(existing.shape) == item.shape
+                    and existing.dtype == item.dtype):
                 targets[key] = existing
-            elif meta.shape == tuple(param.shape):
-                targets[key] = torch.empty_like(param, dtype=meta.dtype)
+            elif item.shape == tuple(param.shape):
+                targets[key] = torch.empty_like(param, dtype=item.dtype)
             else:
-                targets[key] = torch.empty(meta.shape, dtype=meta.dtype)
+                targets[key] = torch.empty(item.shape, dtype=item.dtype)
         return targets
 
     def key_differences(self, stored: dict[str, TensorMeta], meta: dict[str, Any],

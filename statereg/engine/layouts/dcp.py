@@ -403,9 +403,10 @@ class GroupReader(BackendReader):
         where = self.source.display(f"{self.path}/{METADATA_NAME}")
         # A fresh object each time (DCP sets fields on it), the same bytes checked once.
         metadata = load_dcp_metadata(self.metadata_bytes, where, self.metadata_digest)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
