@@ -121,9 +121,12 @@ def test_a_two_rank_job_exits_cleanly_every_time(tmp_path: Path) -> None:
     STATEREG_SHUTDOWN_RUNS=50 for the long run recorded in docs/distributed.md."""
     script = tmp_path / "job.py"
     script.write_text(_JOB)
-    failures = []
+    # The ranks import the statereg under test, wherever the test process found it.
+    source = str(Path(statereg.__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
+    failed: dict[int, list[str]] = {}
     for run in range(RUNS):
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         init = tmp_path / f"init-{run}"
         ranks = [subprocess.Popen([sys.executable, str(script), str(init), str(tmp_path / "ckpt")],
                                   env={**env, "RANK": str(rank)}, stderr=subprocess.PIPE,
@@ -131,7 +134,7 @@ def test_a_two_rank_job_exits_cleanly_every_time(tmp_path: Path) -> None:
         for rank, process in enumerate(ranks):
             _, err = process.communicate(timeout=300)
             if process.returncode != 0:
-                failures.append(f"run {run} rank {rank}: status {process.returncode}: "
-                                f"{err.strip()[-600:]}")
-    assert not failures, f"{len(failures)} of {RUNS} runs did not exit cleanly:\n" + \
-        "\n".join(failures)
+                failed.setdefault(run, []).append(
+                    f"run {run} rank {rank}: status {process.returncode}: {err.strip()[-600:]}")
+    assert not failed, f"{len(failed)} of {RUNS} runs did not exit cleanly:\n" + \
+        "\n".join(line for lines in failed.values() for line in lines)
