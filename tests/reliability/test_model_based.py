@@ -820,6 +820,10 @@ class StorageModel(RuleBasedStateMachine):
         url, opts, rules = self.root.url, self.opts, self.rules_main
 
         def run() -> dict[str, Any]:
+            # The model's killed saves stand for processes that died, but this test's own
+            # process lives on: seen from the restart, that process is gone (seed 4404).
+            killed, alive = os.getppid(), statereg.engine.claims._pid_alive
+            statereg.engine.claims._pid_alive = lambda pid: pid != killed and alive(pid)
             live = Live(96)
             mgr = statereg.CheckpointManager(declaration(url, opts, "plain", rules),
                                              **live.objects())
@@ -1313,3 +1317,12 @@ def test_regression_another_users_entry_goes_past_a_planted_claim(tmp_path, quie
     # directory of a planted claim (IsADirectoryError in the test, not in statereg).
     replay(tmp_path, {"keep_last": 1}, ("plant_a_claim", {"how": "link", "ahead": 0}),
            ("restart_as_another_user", {"what": "file", "saves": 1}))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_regression_a_killed_saves_claim_is_stale_to_a_restart_as_another_user(tmp_path, quiet):
+    # The model's own defect (seed 4404): the claim a killed save left named this test's
+    # process, alive, so the second user's restart found step 2 "being saved".
+    replay(tmp_path, {"keep_last": 1}, SAVE,
+           ("save_killed", {"mode": "plain", "point": "before_first_file", "train": False}),
+           ("restart_as_another_user", {"what": "leftover", "saves": 1}))
