@@ -48,6 +48,7 @@ from statereg.formats.torchfile import TorchFile
 from statereg.schemas.spec import DEFAULT_MAX_SHARD_SIZE, PrefixSpec, parse_size
 from statereg.state.factory import Adapter
 from statereg.state.model import ModelAdapter
+from statereg.state.optimizer import OptimizerAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +194,10 @@ def load_foreign(backend: StorageBackend, name: str, kind: ForeignKind,
             if isinstance(source, DCPDirectory):
                 check_component_names(source, comp)
             if declared[comp] == "optimizer" and isinstance(source, DCPDirectory):
+                assert isinstance(adapter, OptimizerAdapter)  # built for the declared kind
                 steps.append(prepare_optimizer(source, comp, adapter))
             else:
+                assert isinstance(adapter, ModelAdapter)  # foreign sources fill models only
                 apply, reports[comp] = prepare_model(source, adapter, strict)
                 steps.append(apply)
 
@@ -303,9 +306,11 @@ def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | Non
     # Every byte exported is checked against the manifest as it is read, as a load does.
     verified: ReadableStore = VerifiedReads(backend, read_records(ckpt.manifest.without_writer(),
                                                         data_dir, [name]))
+    source: TensorSource | TorchFile
     if record.format == "dcp":
-        source: TensorSource | TorchFile = DCPDirectory(verified, directory)
-        source.reader.verify_unchecked(source.reader.read_metadata())
+        dcp_source = DCPDirectory(verified, directory)
+        dcp_source.reader.verify_unchecked(dcp_source.reader.read_metadata())
+        source = dcp_source
     else:
         source = open_model_files(verified, directory, record.format)
     if not source.metas:

@@ -10,7 +10,9 @@ from statereg.backends.base import StorageBackend, StoredFile
 
 def _error_codes(error: BaseException) -> set[str]:
     """The Azure error codes (`ContainerNotFound`, ...) of `error` and the errors it chains."""
-    codes, link, seen = set(), error, []
+    codes: set[str] = set()
+    seen: list[BaseException] = []
+    link: BaseException | None = error
     while link is not None and link not in seen:
         seen.append(link)
         code = getattr(link, "error_code", None)

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import IO, Any, Literal, cast
+from typing import IO, Any, ClassVar, Literal, cast
 
 import numpy as np
 
@@ -645,7 +645,7 @@ def temporary_name(path: str) -> str:
 class LocalBackend(StorageBackend):
     """Checkpoints in a local directory (a plain path or a file:// URL)."""
 
-    schemes = ("", "file", "local")
+    schemes: ClassVar[tuple[str, ...]] = ("", "file", "local")
     atomic_create = True  # link(2) fails if the name exists, on every POSIX filesystem
     probe_exclusive = False
     denied_hint = "This user may not write there: check the folder's owner and permissions"

@@ -64,7 +64,8 @@ class BackendReader(FileSystemReader):
     verified backend (export, inspect, copy) checks what it reads.
     """
 
-    fs: BackendFileSystem  # DCP's reader declares a FileSystem; this one is always ours
+    # DCP's reader declares the concrete FileSystem; this one is always statereg's own:
+    fs: BackendFileSystem  # type: ignore[assignment]
     path: str  # BackendFileSystem.init_path returns a str
 
     def __init__(self, backend: ReadableStore, path: str, thread_count: int | None = None,

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -66,7 +67,8 @@ class BackendWriter(FileSystemWriter):
     What it did is in `report` (a WriteReport) once `dcp.save` returns.
     """
 
-    fs: BackendFileSystem  # DCP's writer declares a FileSystem; this one is always ours
+    # DCP's writer declares the concrete FileSystem; this one is always statereg's own:
+    fs: BackendFileSystem  # type: ignore[assignment]
 
     def __init__(self, backend: StorageBackend, path: str, recorder: FileRecorder,
                  thread_count: int = 1,
@@ -154,7 +156,9 @@ class BackendWriter(FileSystemWriter):
                 kept.append(item)
                 continue
             key = item_key(item.index)
-            digest = self.report.digests[key] = tensor_digest(planner.resolve_data(item))
+            tensor = planner.resolve_data(item)
+            assert isinstance(tensor, torch.Tensor)  # not BYTE_IO: DCP resolves a tensor
+            digest = self.report.digests[key] = tensor_digest(tensor)
             old = self.reuse.get(key)
             if old is None or old.digest != digest:
                 kept.append(item)
@@ -188,12 +192,15 @@ class BackendWriter(FileSystemWriter):
                 data = planner.resolve_data(item)
                 offset = file_stream.tell()
                 stream = HashingTee(file_stream)
+                descriptors: tuple[str, ...]
                 target, descriptors = stream, ()
                 if self.compressor is not None:
                     target, descriptors = self.compressor.encoder(item, stream)
                 if item.type == WriteItemType.BYTE_IO:
+                    assert isinstance(data, io.BytesIO)  # DCP resolves BYTE_IO items to these
                     target.write(data.getbuffer())
                 else:
+                    assert isinstance(data, torch.Tensor)
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # torch.save would write the whole storage
@@ -290,7 +297,8 @@ class CompressingTransforms:
     def __init__(self, settings: codec.CompressionSettings) -> None:
         self.settings = settings
 
-    def encoder(self, write_item: WriteItem, raw_stream: io.IOBase) -> tuple[Any, tuple[str]]:
+    def encoder(self, write_item: WriteItem, raw_stream: io.IOBase,
+                ) -> tuple[Any, tuple[str, ...]]:
         """The stream one item is written into, and the descriptor `.metadata` records."""
         settings = self.settings
 

@@ -34,7 +34,10 @@ from statereg.formats.names import (
 from statereg.schemas.spec import (
     DEFAULT_MAX_SHARD_SIZE,
     ComponentSpec,
+    Format,
+    Kind,
     RegistrySpec,
+    Sharing,
     parse_size,
 )
 
@@ -96,9 +99,9 @@ class Task:
     """One component's save on one rank, fully decided."""
 
     component: str
-    kind: str
-    sharing: str
-    format: str
+    kind: Kind
+    sharing: Sharing
+    format: Format
     layout: Layout
     takes_part: bool  # this rank runs the layout's save (a collective member, or a writer)
     leader: bool  # this rank writes the component's shared files
@@ -294,9 +297,9 @@ Policy = Literal["same", "reset", "reshard"]
 class Saved:
     """What the manifest records of one component: how it was saved."""
 
-    kind: str
-    sharing: str
-    format: str
+    kind: Kind
+    sharing: Sharing
+    format: Format
     world_size: int
     files: tuple[str, ...]
 
@@ -310,7 +313,7 @@ class LoadTask:
 
     component: str
     layout: Layout
-    format: str
+    format: Format
     collective: str | None
     directory: str  # relative to the checkpoint
     state_files: tuple[str, ...] = ()  # object_file: the file(s) this rank reads

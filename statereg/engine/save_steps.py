@@ -13,7 +13,7 @@ from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -386,7 +386,10 @@ def compression_settings(storage: StorageSpec) -> CompressionSettings | None:
                                float_aware=declared.float_aware)
 
 
-def file_codec(path: str, settings: CompressionSettings | None) -> str:
+FileCodec = Literal["none", "zstd", "zstd+planes"]  # FileRecord.codec in the manifest
+
+
+def file_codec(path: str, settings: CompressionSettings | None) -> FileCodec:
     """What the manifest records for a file: DCP data files carry compressed items."""
     if settings is None or not path.endswith(".distcp"):
         return "none"

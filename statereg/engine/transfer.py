@@ -43,7 +43,7 @@ from statereg.engine.claims import claim_checkpoint, claim_scope
 from statereg.engine.load import read_records
 from statereg.engine.publish import commit
 from statereg.engine.report import Progress, describe_rate, format_bytes
-from statereg.engine.save_steps import file_codec
+from statereg.engine.save_steps import FileCodec, file_codec
 from statereg.engine.world import caught, raise_own
 from statereg.errors import CorruptCheckpointError
 from statereg.schemas.manifest import FileRecord, Manifest
@@ -64,9 +64,8 @@ class _LoadEverything(SafeLoadPlanner):
                        is_coordinator: bool = False) -> None:
         assert metadata is not None and not state_dict
         for key, stored in metadata.state_dict_metadata.items():
-            if isinstance(stored, TensorStorageMetadata):
-                stored = torch.empty(stored.size, dtype=stored.properties.dtype)
-            state_dict[key] = stored
+            state_dict[key] = (torch.empty(stored.size, dtype=stored.properties.dtype)
+                               if isinstance(stored, TensorStorageMetadata) else stored)
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
@@ -113,6 +112,7 @@ def _copy_adding_crcs(src: StorageBackend, src_dir: str, directory: str,
     files: dict[str, list[Any]] = defaultdict(list)
     for index, info in metadata.storage_data.items():
         files[info.relative_path].append((info.offset, info.length, index))
+    record: FileRecord | None
     for relative, record in listed.items():
         if relative not in files and relative != METADATA_NAME:
             _copy_checked(src, src_dir, record, dst, name, recorder)
@@ -227,7 +227,7 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                 posixpath.dirname(r.path) for r in records
                 if r.path.endswith(".distcp") and r.codec != "none"}
         recorder = FileRecorder()
-        codecs = {r.path: r.codec for r in records}
+        codecs: dict[str, FileCodec] = {r.path: r.codec for r in records}
         every_file = read_records(source.manifest, src_dir, source.manifest.components)
         with Progress(source.manifest.total_bytes, f"copy {name}") as progress:
             for record in records:
@@ -268,7 +268,7 @@ def _source_settings(manifest: Manifest, directory: str) -> CompressionSettings 
 
 
 def _retarget(manifest: Manifest, name: str, written: list[WrittenFile],
-              codecs: dict[str, str]) -> Manifest:
+              codecs: dict[str, FileCodec]) -> Manifest:
     """The source manifest with the files as written at the destination (self-contained:
     a copy never references files of another checkpoint)."""
     files = []

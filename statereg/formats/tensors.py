@@ -8,6 +8,7 @@ tensor, so loading needs no collective and works at any world size.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -57,7 +58,7 @@ def _local_piece(tensor: torch.Tensor, group_rank: int) -> tuple[tuple[int, ...]
     """
     if hasattr(tensor, "device_mesh"):
         dtensor = cast("DTensor", tensor)
-        coordinate = dtensor.device_mesh.get_coordinate() or []
+        coordinate: Sequence[int] = dtensor.device_mesh.get_coordinate() or []
         for dim, placement in enumerate(dtensor.placements):
             if placement.is_replicate() and coordinate[dim] != 0:
                 return None

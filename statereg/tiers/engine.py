@@ -180,6 +180,7 @@ class TierEngine:
         served: tuple[str, bytes] | None = None
         with caught() as serving:
             if self.leads:
+                assert found is not None  # found above, on the leaders
                 self._server = PeerServer(self.memory, host=found[0])
                 served = self._server.url, self._server.secret
         self.world.agree(serving.error, "starting the memory tier's peer server")
@@ -276,8 +277,8 @@ class TierEngine:
             failures.append(str(error))
         if self.world.rank == 0:
             drainer, declared = self._drainer, self.tiers.durable
-            if (error := drainer.take_error()) is not None:
-                failures.append(f"a drain to {self.durable.url} failed: {error}")
+            if (drain_error := drainer.take_error()) is not None:
+                failures.append(f"a drain to {self.durable.url} failed: {drain_error}")
             if to_durable and len(drainer.uncommitted) >= declared.max_missed:
                 steps = ", ".join(map(str, drainer.uncommitted))
                 last = ("none in this run" if drainer.last_committed is None

@@ -338,7 +338,7 @@ def _fingerprint(targets: dict[str, Any]) -> str | None:
     """What ranks must hold alike for one rank's read of an item to serve them all: every
     target's name, type, shape and dtype. None when a target is a shard of a tensor
     (DTensor): each rank then needs items of its own."""
-    described = []
+    described: list[tuple[Any, ...]] = []
     for key, value in targets.items():
         if isinstance(value, torch.Tensor):
             if type(value) not in PLAIN_TENSOR_TYPES:
