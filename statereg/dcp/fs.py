@@ -52,12 +52,13 @@ class BackendFileSystem(FileSystemBase):
         path = normalize_path(os.fspath(path))
         if "r" in mode:
             with self.backend.open_read(path, self.sizes.get(path)) as stream:
-                yield stream
+                # DCP annotates io.IOBase; its callers use any binary file object:
+                yield stream  # type: ignore[misc]
             return
         on_done = self.recorder.add if self.recorder is not None else None
         around = WRITE_AROUND_CACHE.set(not self.cached)
         try:
-            writer: HashingWriter = self.backend.open_write(path, on_done)
+            writer: HashingWriter = self._writable().open_write(path, on_done)
         finally:
             WRITE_AROUND_CACHE.reset(around)
         try:
@@ -66,6 +67,12 @@ class BackendFileSystem(FileSystemBase):
             writer.abort()
             raise
         writer.close()
+
+    def _writable(self) -> StorageBackend:
+        """The backend, for writes: only a writer's file system is built on a StorageBackend
+        (a reader's may be a read-only store)."""
+        assert isinstance(self.backend, StorageBackend), "a read-only store takes no writes"
+        return self.backend
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return f"{os.fspath(path)}/{suffix}"
@@ -77,7 +84,7 @@ class BackendFileSystem(FileSystemBase):
         raise NotImplementedError("statereg's DCP glue never renames (object stores cannot)")
 
     def mkdir(self, path: str | os.PathLike) -> None:
-        self.backend.makedirs(os.fspath(path))
+        self._writable().makedirs(os.fspath(path))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -87,4 +94,4 @@ class BackendFileSystem(FileSystemBase):
         return self.backend.exists(os.fspath(path))
 
     def rm_file(self, path: str | os.PathLike) -> None:
-        self.backend.remove_file(os.fspath(path))
+        self._writable().remove_file(os.fspath(path))
