@@ -88,8 +88,8 @@ def test_a_rank_still_saving_after_a_peer_closed_fails_at_once(tmp_path: Path) -
 
 
 # One rank of a job in the order docs/distributed.md gives: leave the manager's `with`
-# block, then destroy the process groups. Its last collectives are statereg's object
-# collectives (the save's and the load's), right before the exit: the case that aborted.
+# block, then barrier and destroy. Its last collectives before that are statereg's object
+# collectives (the save's and the load's), whose work a lagging gloo thread could hold.
 _JOB = """
 import os, sys
 import torch
