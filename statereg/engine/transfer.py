@@ -164,9 +164,9 @@ def _copy_adding_crcs(src: StorageBackend, src_dir: str, directory: str,
             raise
         writer.close()
     setattr(metadata, ITEM_CHECKSUMS, digests)
-    with dst.open_write(f"{name}/{directory}/{METADATA_NAME}", recorder.add) as out, \
+    with dst.open_write(f"{name}/{directory}/{METADATA_NAME}", recorder.add) as meta_out, \
             gc_paused():
-        pickle.dump(metadata, out)
+        pickle.dump(metadata, meta_out)
 
 
 def _rewrite_dcp(src: StorageBackend, src_dir: str, records: dict[str, FileRecord],

@@ -12,7 +12,7 @@ import hashlib
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -423,7 +423,8 @@ class GroupReader(BackendReader):
         mine = [i for path, items in per_file.items() if owners[path] == rank for i in items]
         keeper = _KeepBytes(planner)
         with caught() as reading:
-            super().read_data(dataclasses.replace(plan, items=mine), keeper)
+            # A proxy: every other LoadPlanner method reaches `planner` through __getattr__.
+            super().read_data(dataclasses.replace(plan, items=mine), cast(LoadPlanner, keeper))
         self.world.agree(reading.error, f"reading {self.source.display(self.path)}", self.group)
         for path in sorted(per_file):
             items = sorted(per_file[path], key=lambda i: self.storage_data[i.storage_index].offset)
