@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import IO, Any, ClassVar, Protocol
+from typing import IO, Any, ClassVar, Protocol, cast
 
 import fsspec
 import fsspec.asyn
@@ -269,10 +269,16 @@ class ReadableStore(Protocol):
     files) call these and nothing else. A StorageBackend meets it, and so does
     checksum.VerifiedReads, which checks each whole-file read against the manifest."""
 
-    # Files read at once unless storage.io_threads says otherwise.
-    default_io_threads: int
-    # Whether ranks that need the same bytes have one rank read them and broadcast them.
-    broadcast_reads: bool
+    # Read-only properties: a class attribute, an instance attribute or a property meets them.
+    @property
+    def default_io_threads(self) -> int:
+        """Files read at once unless storage.io_threads says otherwise."""
+        ...
+
+    @property
+    def broadcast_reads(self) -> bool:
+        """Whether ranks that need the same bytes have one rank read them and broadcast them."""
+        ...
 
     def display(self, path: str = "") -> str:
         """The file's URL, for messages."""
@@ -401,6 +407,8 @@ class StorageBackend:
         may repeat credentials (gcsfs puts a raw token in a request URL), and then the chained
         error is withheld too.
         """
+        error: Exception
+        cause: BaseException | None
         try:
             yield
             return
@@ -596,7 +604,7 @@ class StorageBackend:
         a seek from the end without asking the store.
         """
         with _RangeReads(self, path, ranges, size) as stream:
-            yield stream
+            yield cast(IO[bytes], stream)  # file-like: read, readinto, seek, tell
 
     @contextmanager
     def open_blocks(self, path: str) -> Iterator[_BlockStream]:

@@ -83,7 +83,16 @@ def check_file(where: str, record: Recorded, data: Any) -> None:
     check_hasher(where, record, hasher)
 
 
-def verify_stream(where: str, record: Recorded, stream: IO[bytes],
+class SeekableReads(Protocol):
+    """What verify_stream reads through: a file's read() and seek() (a plain binary file,
+    or a backend's wrapper of one)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int: ...
+
+
+def verify_stream(where: str, record: Recorded, stream: SeekableReads,
                   sink: Callable[[Any], Any] | None = None) -> None:
     """Read `stream` to its end in bounded blocks, checking size and checksum; each block is
     also passed to `sink` (a copy's destination). Never reads more than one block past the

@@ -667,7 +667,7 @@ class EncodingStream(io.RawIOBase):
     then streams the encoding into `output`, which is left open.
     """
 
-    def __init__(self, output: IO[bytes],
+    def __init__(self, output: IO[bytes] | io.RawIOBase,
                  encode: Callable[[bytes, memoryview | None, bytes, Callable[[Any], Any]], None],
                  body_size: int = -1) -> None:
         super().__init__()

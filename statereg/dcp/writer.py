@@ -297,7 +297,7 @@ class CompressingTransforms:
     def __init__(self, settings: codec.CompressionSettings) -> None:
         self.settings = settings
 
-    def encoder(self, write_item: WriteItem, raw_stream: io.IOBase,
+    def encoder(self, write_item: WriteItem, raw_stream: io.RawIOBase,
                 ) -> tuple[Any, tuple[str, ...]]:
         """The stream one item is written into, and the descriptor `.metadata` records."""
         settings = self.settings
