@@ -48,6 +48,7 @@ nested-dict assignment, element sizes, the in-place DCP load).
 from __future__ import annotations
 
 import abc
+import io
 from collections.abc import Sequence
 from typing import IO, Any
 
@@ -134,9 +135,10 @@ def dcp_load(state_dict: dict[str, Any], *, storage_reader: Any, planner: Any,
                      no_dist=no_dist or not dist.is_available() or not dist.is_initialized())
 
 
-def zip_writer_without_crc(buffer: IO[bytes]) -> Any:
+def zip_writer_without_crc(buffer: IO[bytes] | io.RawIOBase) -> Any:
     """torch's zip writer into `buffer`, computing no CRC-32 (records.py computes them)."""
-    return PyTorchFileWriter(buffer, False, _get_storage_alignment())
+    # torch's stub says IO[bytes]; the writer takes any object with write():
+    return PyTorchFileWriter(buffer, False, _get_storage_alignment())  # type: ignore[arg-type]
 
 
 def storage_alignment() -> int:

@@ -30,7 +30,7 @@ import sys
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Union
 
 import torch
 
@@ -103,10 +103,14 @@ class _TensorRecordUnpickler(pickle.Unpickler):
         return pid[1], str(pid[2]), int(pid[4])
 
 
+# What the record readers take: a binary file, or a raw stream over one (codec.FrameStream).
+Stream = Union[IO[bytes], io.RawIOBase]  # noqa: UP007 - a runtime alias on Python 3.10
+
+
 class RecordWindow(io.RawIOBase):
     """`length` bytes of `base` from `offset`, seekable from either end (zipfile needs both)."""
 
-    def __init__(self, base: IO[bytes], offset: int, length: int) -> None:
+    def __init__(self, base: Stream, offset: int, length: int) -> None:
         super().__init__()
         self.base, self.offset, self.length = base, offset, length
         self.pos = 0
@@ -129,7 +133,7 @@ class RecordWindow(io.RawIOBase):
         view = memoryview(buffer).cast("B")[:self.length - self.pos]
         self.base.seek(self.offset + self.pos)
         # typing.IO lacks readinto; callers pass io streams:
-        got = self.base.readinto(view) or 0  # type: ignore[attr-defined]
+        got = self.base.readinto(view) or 0  # type: ignore[union-attr]
         self.pos += got
         return got
 
@@ -226,7 +230,7 @@ def _walked(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[in
     return start, nbytes
 
 
-def _payload(stream: IO[bytes], offset: int, length: int, dtype: torch.dtype,
+def _payload(stream: Stream, offset: int, length: int, dtype: torch.dtype,
              shape: tuple[int, ...]) -> tuple[int, bool, bytes] | None:
     """Offset in `stream` of the raw bytes of the record at [offset, offset+length), if plain;
     whether a data descriptor after them must confirm their size; and the bytes read from the
@@ -301,7 +305,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _hash_range(stream: IO[bytes], start: int, end: int, hasher: Any) -> None:
+def _hash_range(stream: Stream, start: int, end: int, hasher: Any) -> None:
     """Feed bytes [start, end) of `stream` to `hasher`, in bounded reads."""
     stream.seek(start)
     while start < end:
@@ -321,7 +325,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview | None:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
+def read_into(stream: Stream, offset: int, length: int, target: torch.Tensor,
               hasher: Any = None, landing: DeviceLanding | None = None,
               view: memoryview | None = None) -> bool:
     """Fill `target` from the torch.save record at [offset, offset+length) of `stream`.
@@ -396,7 +400,7 @@ def read_into(stream: IO[bytes], offset: int, length: int, target: torch.Tensor,
     return True
 
 
-def _read_upto(stream: IO[bytes], size: int) -> bytes:
+def _read_upto(stream: Stream, size: int) -> bytes:
     """`size` bytes from `stream`'s position; EOFError if it ends first."""
     data = stream.read(size)
     while len(data) < size:
@@ -407,11 +411,11 @@ def _read_upto(stream: IO[bytes], size: int) -> bytes:
     return data
 
 
-def _read_exactly(stream: IO[bytes], view: memoryview) -> None:
+def _read_exactly(stream: Stream, view: memoryview) -> None:
     """Fill `view` from `stream`; EOFError if the stream ends first."""
     while view:
         # typing.IO lacks readinto; callers pass io streams:
-        got = stream.readinto(view)  # type: ignore[attr-defined]
+        got = stream.readinto(view)  # type: ignore[union-attr]
         if not got:
             raise EOFError(f"stream ended {len(view)} bytes before the tensor's end")
         view = view[got:]
