@@ -14,7 +14,7 @@ import io
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import xxhash
 
@@ -189,14 +189,25 @@ _SMALL_WRITE = 64 * 1024
 _GATHER_UP_TO = 1024 * 1024
 
 
-class HashingWriter(io.RawIOBase):
+class ByteSink(Protocol):
+    """Where a HashingWriter passes the bytes on: a binary file, or a backend's own writer."""
+
+    def write(self, data: Any, /) -> object: ...
+
+    def close(self) -> None: ...
+
+
+SinkT = TypeVar("SinkT", bound=ByteSink)
+
+
+class HashingWriter(io.RawIOBase, Generic[SinkT]):
     """A write-only stream that checksums bytes as they pass and reports the file on close.
 
     `finish` runs once on close: it makes the bytes durable (fsync, or the single PUT of an
     object store) before the file is reported, so a reported file is a stored file.
     """
 
-    def __init__(self, path: str, sink: IO[bytes], finish: Callable[[IO[bytes]], None],
+    def __init__(self, path: str, sink: SinkT, finish: Callable[[SinkT], None],
                  on_done: Callable[[WrittenFile], None] | None) -> None:
         super().__init__()
         self.path = path

@@ -774,7 +774,7 @@ class LocalBackend(StorageBackend):
                 open(fd, "wb", buffering=_BUFFER),  # noqa: SIM115 - closed by the writer
                 self._keeps, functools.partial(self._storage_op, "write", path))
 
-        def durable(stream: IO[bytes]) -> None:
+        def durable(stream: _WritebackFile) -> None:
             with self._storage_op("write", path):
                 try:
                     stream.flush()
@@ -807,7 +807,7 @@ class LocalBackend(StorageBackend):
         """A writer of `fd` (O_DIRECT on) through `_DirectFile`."""
         sink = _DirectFile(fd, functools.partial(self._storage_op, "write", path))
 
-        def durable(stream: IO[bytes]) -> None:
+        def durable(stream: _DirectFile) -> None:
             with self._storage_op("write", path):
                 try:
                     sink.finish()
@@ -819,7 +819,7 @@ class LocalBackend(StorageBackend):
                 sink.close()
                 _fsync_dir(os.path.dirname(full))
 
-        return HashingWriter(path, sink, durable, on_done)  # type: ignore[arg-type]
+        return HashingWriter(path, sink, durable, on_done)
 
     def _open_for_write(self, path: str, full: str) -> int:
         """A descriptor to write `path` (at `full`) from its start: a new or emptied file.
