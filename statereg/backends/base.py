@@ -336,8 +336,8 @@ class StorageBackend:
     # Whether ranks that need the same bytes should have one rank read them and broadcast
     # them over the process group (engine/layouts/dcp.py GroupReader): true where a read
     # crosses a network or a disk; false for host memory, which each rank reads faster than
-    # gloo moves it.
-    broadcast_reads: ClassVar[bool] = True
+    # gloo moves it. A class default an instance may override (tiers/node_memory.py does).
+    broadcast_reads: bool = True
     # Whether a save writes the files of its components at the same time (engine/save_steps.py):
     # true where a write waits on a disk or a network; false for host memory, where it is
     # CPU work and each component's own writers (`default_io_threads`) keep the cores busy.
