@@ -264,8 +264,10 @@ class SharedMemoryBackend(LocalBackend):
         # operation until the whole chain exists.
         self._private = check_private(self.root, create=False)
 
-    @property  # type: ignore[override]
-    def default_io_threads(self) -> int:  # storage.io_threads, when unset, for memory roots
+    # storage.io_threads, when unset, for memory roots; a property over StorageBackend's class
+    # attribute (this store's default depends on the instance):
+    @property
+    def default_io_threads(self) -> int:  # type: ignore[override]
         return self._writers
 
     def make_private(self) -> None:
