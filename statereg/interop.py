@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -145,7 +145,7 @@ def load_model_from(path: str | os.PathLike[str], model: nn.Module, *,
     return report
 
 
-def _foreign_components(kind: ForeignKind, declared: dict[str, str], include: list[str] | None,
+def _foreign_components(kind: ForeignKind, declared: Mapping[str, str], include: list[str] | None,
                         exclude: list[str]) -> list[str]:
     """The components a foreign load fills: the user names them (HF: the model by default)."""
     if include is None and kind == "hf":
@@ -175,7 +175,7 @@ def _foreign_components(kind: ForeignKind, declared: dict[str, str], include: li
 
 
 def load_foreign(backend: StorageBackend, name: str, kind: ForeignKind,
-                 declared: dict[str, str], adapters: dict[str, Adapter],
+                 declared: Mapping[str, str], adapters: dict[str, Adapter],
                  include: list[str] | None, exclude: list[str], world: World, strict: bool,
                  ) -> LoadResult:
     """Fill named components (`declared`: name -> kind) from a foreign directory, checking all
