@@ -5,7 +5,8 @@
 #   ./scripts/test.sh tests/engine -k commit  # arguments go to pytest
 #
 # Without arguments it first lints: `ruff check statereg tests` (see [tool.ruff] in
-# pyproject.toml); a failure stops the run before pytest. With arguments (a developer's
+# pyproject.toml) and type-checks: `mypy statereg` ([tool.mypy]; about 2 minutes the first
+# time, seconds with its cache); a failure stops the run before pytest. With arguments (a developer's
 # subset) the lint is skipped, so the inner loop stays fast.
 # Under CI (CI=true, no arguments) it then also proves what pyproject.toml claims: the
 # compatibility subset on the newest claimed torch in a virtualenv of its own
@@ -17,6 +18,7 @@ cd "$(dirname "$0")/.."
 venv="${STATEREG_VENV:-.venv}"
 if [[ $# -eq 0 ]]; then
   "$venv/bin/ruff" check statereg tests
+  "$venv/bin/mypy" statereg
 fi
 status=0
 "$venv/bin/python" -m pytest -q "$@" || status=$?

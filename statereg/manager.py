@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from statereg.engine.checkpoints import (
     list_committed,
     read_manifest_at,
     scan_root,
+    step_key,
     step_of,
 )
 from statereg.engine.listing import CheckpointInfo
@@ -447,7 +449,7 @@ class CheckpointManager:
         found: dict[str, StateregError] = {**scan.damaged}
         found.update((n, e) for n, e in scan.unreadable.items() if isinstance(e, StateregError))
         newer = [n for n in found if (step_of(n) or 0) > limit]
-        return [(n, found[n]) for n in sorted(newer, key=step_of, reverse=True)]
+        return [(n, found[n]) for n in sorted(newer, key=step_key, reverse=True)]
 
     def _older_intact(self, damaged: Committed) -> Committed | None:
         """The newest committed checkpoint below `damaged`'s step (rank 0 lists and reads its
@@ -514,7 +516,7 @@ class CheckpointManager:
         self.wait()
         return [self._backend.display(c.name) for c in list_committed(self._backend)]
 
-    def best(self) -> list[str]:
+    def best(self) -> builtins.list[str]:
         """URLs of the checkpoints `save.keep_best` keeps, best first."""
         self.wait()
         chosen = best_checkpoints(list_committed(self._backend), self.spec.save)

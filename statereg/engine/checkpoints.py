@@ -52,6 +52,12 @@ def step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def step_key(name: str) -> int:
+    """A sort key of checkpoint directory names by step (-1 for a name that is not one)."""
+    step = step_of(name)
+    return -1 if step is None else step
+
+
 @dataclass(frozen=True)
 class Committed:
     """A committed checkpoint: its directory name under the root and its manifest."""
@@ -277,9 +283,11 @@ def scan_root(backend: StorageBackend, check_files: bool = False) -> RootScan:
     `check_files`: also check every committed checkpoint's files against the sizes in its
     manifest (`damaged`), at one listing per directory that holds them.
     """
-    found, unreadable, skipped = [], {}, {}
+    found: list[Committed] = []
+    unreadable: dict[str, Exception] = {}
+    skipped: dict[str, StorageError] = {}
     for name in sorted((n for n in backend.list_dir("") if step_of(n) is not None),
-                       key=step_of):
+                       key=step_key):
         try:
             found.append(Committed(name, read_manifest_at(backend, name)))
         except CheckpointNotFoundError:
@@ -346,7 +354,7 @@ def latest_committed(backend: StorageBackend) -> Committed | None:
     """
     damaged: list[Exception] = []
     listings = Listings(backend)
-    names = sorted((n for n in backend.list_dir("") if step_of(n) is not None), key=step_of)
+    names = sorted((n for n in backend.list_dir("") if step_of(n) is not None), key=step_key)
     for name in reversed(names):
         found = _usable(backend, name, damaged)
         if found is None:

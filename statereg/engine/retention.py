@@ -20,6 +20,7 @@ from statereg.engine.checkpoints import (
     refused,
     scan_root,
     skip_entry,
+    step_key,
     step_of,
 )
 from statereg.engine.claims import (
@@ -90,7 +91,7 @@ def _needed(backend: StorageBackend, scan: RootScan, doomed: set[str]) -> _Neede
     files = referenced_files(c for c in scan.committed if c.name not in doomed)
     for name in reserved & set(by_name):
         files |= {f.path for f in by_name[name].manifest.root_files(name)}
-    gone = sorted((n for n in reserved - set(by_name) if step_of(n) is not None), key=step_of)
+    gone = sorted((n for n in reserved - set(by_name) if step_of(n) is not None), key=step_key)
     return _Needed(files, step_of(gone[-1]) if gone else None, gone[-1] if gone else None)
 
 

@@ -98,8 +98,10 @@ def _indexed(base: str, index: int) -> str:
 def _set_sampler_epoch(loader: Any, epoch: int) -> None:
     """What Lightning does at each epoch's start (loops/utilities.py): set_epoch on the
     loader's samplers that have it."""
-    for sampler in (getattr(loader, "sampler", None),
-                    getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+    samplers: tuple[Any, ...] = (getattr(loader, "sampler", None),
+                                 getattr(getattr(loader, "batch_sampler", None), "sampler",
+                                         None))
+    for sampler in samplers:
         if callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)
 
@@ -365,10 +367,11 @@ class StateregCheckpoint(pl.Callback):
         # that draws its order from them replays it), then the loader's saved position,
         # then the step's generators; otherwise, the current state, kept for this epoch's
         # saves. The sampler's epoch is set first: DistributedSampler shuffles by it.
-        fetcher = trainer.fit_loop._data_fetcher
+        fetcher: Any = trainer.fit_loop._data_fetcher
         loader = self._loader.loader()
         generator = self._loader.generator()
-        epoch = self._epoch_taken = trainer.fit_loop.epoch_progress.current.processed
+        progress: Any = trainer.fit_loop.epoch_progress.current  # processed: not annotated
+        epoch = self._epoch_taken = progress.processed
         if self.restored is None:
             self._epoch.take(self._rng, generator)
         elif self._new_epoch:
@@ -405,7 +408,8 @@ class StateregCheckpoint(pl.Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The epoch's iterator is made after this hook (Lightning's epoch loop), except for
         # the fit's first epoch, whose iterator on_train_start made.
-        if trainer.fit_loop.epoch_progress.current.processed != self._epoch_taken:
+        progress: Any = trainer.fit_loop.epoch_progress.current  # processed: not annotated
+        if progress.processed != self._epoch_taken:
             assert self._loader is not None
             self._epoch.take(self._rng, self._loader.generator())
 

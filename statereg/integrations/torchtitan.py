@@ -158,6 +158,8 @@ class ModelParts(nn.Module):
     named_parameters() and named_buffers(); the parts stay the modules the loop runs.
     """
 
+    parts: tuple[nn.Module, ...]
+
     def __init__(self, parts: Sequence[nn.Module]) -> None:
         super().__init__()
         # Not registered as submodules: their keys must not get a "0." prefix.
@@ -204,12 +206,12 @@ class OptimizersView(torch.optim.Optimizer):
                 raise SpecError(f"optimizers: got a {type(opt).__name__} in the list; pass "
                                 "torch.optim.Optimizer objects")
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return [group for opt in self.optimizers for group in opt.param_groups]
 
-    @property  # type: ignore[override]
-    def state(self) -> dict[Any, Any]:
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
         return {p: s for opt in self.optimizers for p, s in opt.state.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -347,18 +347,20 @@ class StateregMixin:
         self._statereg_attached: dict[str, Any] = {}
         super().__init__(*args, **kwargs)
         self._statereg_refuse_unsupported()
+        trainer: Any = self  # a Trainer, whose attributes this mixin does not declare
         self.statereg_spec = spec_from_training_args(
-            self.args, statereg, scaler=getattr(self.accelerator, "scaler", None) is not None)
-        self._statereg_drives = _drives_cadence(self.statereg_spec, self.args)
+            trainer.args, statereg,
+            scaler=getattr(trainer.accelerator, "scaler", None) is not None)
+        self._statereg_drives = _drives_cadence(self.statereg_spec, trainer.args)
         self._statereg_record = _TrainerStateRecord(self)  # type: ignore[arg-type]
         # First, so that on_log's save statistics reach every reporting callback.
-        self.callback_handler.callbacks.insert(0, _StateregCallback(self))
-        if self.args.push_to_hub and _value(self.args.hub_strategy) != "end":
+        trainer.callback_handler.callbacks.insert(0, _StateregCallback(self))
+        if trainer.args.push_to_hub and _value(trainer.args.hub_strategy) != "end":
             logger.warning(
                 "push_to_hub with hub_strategy=%s: a StateregTrainer writes statereg "
                 "checkpoints and pushes none of them; export one with "
                 "trainer.export_hf(out_dir) (statereg.export_hf) and push that, or use "
-                "hub_strategy='end'", _value(self.args.hub_strategy))
+                "hub_strategy='end'", _value(trainer.args.hub_strategy))
 
     def _statereg_refuse_unsupported(self) -> None:
         trainer: Any = self
@@ -472,6 +474,8 @@ class StateregMixin:
                     f"{self.statereg_spec.storage.url}; train without resume_from_checkpoint "
                     "to start, or pass the URL of a checkpoint")
             return info.path
+        if isinstance(resume, bool):  # False: the caller resumes nothing
+            raise SpecError("resume_from_checkpoint=False names no checkpoint to resume from")
         info = mgr.peek(os.fspath(resume))
         if info is None:
             raise CheckpointNotFoundError(f"resume_from_checkpoint={resume!r}: not found")
