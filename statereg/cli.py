@@ -526,6 +526,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from statereg.engine.gc import collect_garbage
     from statereg.engine.report import format_bytes, format_table
 
+    _refuse_missing_local(args.root)  # a typo'd root has no leftovers, and no checkpoints
     backend = open_backend(args.root, _options(args))
     grace = _duration(args.grace)
     found = collect_garbage(backend, delete=args.delete, grace_s=grace)

@@ -158,6 +158,13 @@ def test_ls_of_a_misspelled_root_fails_naming_it(
     assert "no committed checkpoints" in capsys.readouterr().out
 
 
+def test_gc_of_a_misspelled_root_fails_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gc", str(tmp_path / "chekpoints")]) == 1
+    assert f"{tmp_path / 'chekpoints'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "chekpoints").exists()
+
+
 def test_inspect_of_a_missing_path_says_it_does_not_exist_not_an_interrupted_save(
     root: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
