@@ -140,9 +140,10 @@ def _die(point: str, marker: str) -> None:
 
 def _write_half_and_die(writer: HashingWriter, data: Any, point: str, marker: str) -> None:
     view = memoryview(data).cast("B")
-    sink = writer._sink  # the real file on local disk; a buffer not yet sent on object stores
+    # The real file on local disk; on object stores a buffer, or a part not yet sent.
+    sink = writer._sink
     sink.write(view[: max(1, len(view) // 2)])
-    if not isinstance(sink, io.BytesIO):
+    if callable(getattr(sink, "fileno", None)) and not isinstance(sink, io.BytesIO):
         sink.flush()
         os.fsync(sink.fileno())
     _die(point, marker)
@@ -183,7 +184,11 @@ def arm(point: str, marker: str, rank: int = 0) -> None:
 
     HashingWriter.write = write  # type: ignore[method-assign]
 
-    for cls in (StorageBackend, LocalBackend):
+    # Every class that defines open_write: a store may write its files its own way (S3's
+    # part uploads).
+    for cls in {StorageBackend, LocalBackend, *StorageBackend.__subclasses__()}:
+        if "open_write" not in cls.__dict__:
+            continue
         original_open = cls.open_write
 
         def open_write(self: StorageBackend, path: str, on_done: Any = None,
