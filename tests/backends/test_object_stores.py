@@ -189,7 +189,7 @@ def test_azure_keeps_no_listing_cache_and_writes_like_the_other_object_stores(az
 @pytest.fixture(params=["s3", "seaweedfs"])
 def s3_kind_store(request: pytest.FixtureRequest, tmp_path: Any) -> Any:
     """A fresh root on each S3 server the tests start (moto, SeaweedFS)."""
-    from conftest import make_store
+    from tests.conftest import make_store
 
     return make_store(request.param, request, tmp_path)
 

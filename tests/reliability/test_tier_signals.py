@@ -21,6 +21,7 @@ ROOT/straggling and sleeps for STRAGGLE_S before it: rank 0 waits in that collec
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -156,6 +157,9 @@ def child(mode: str, root: Path, env: dict[str, str], rank: int | None = None) -
     os.environ.update(env)
     name = "stderr" if rank is None else f"stderr-{rank}"
     os.dup2(os.open(root / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    # statereg's logger has a NullHandler: a program shows its warnings by configuring logging,
+    # as a training script does (docs/tiers.md#signals).
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     if rank is None:
         train(mode, root)
     else:
