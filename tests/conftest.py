@@ -47,6 +47,21 @@ import statereg
 def pytest_configure(config: pytest.Config) -> None:
     # torchdata's StatefulDataLoader calls a deprecated torch API on every construction.
     config.addinivalue_line("filterwarnings", "ignore:'set_vital' is deprecated:UserWarning")
+    config.addinivalue_line("markers", "slow: a test of tests/slow_tests.txt (left out of the "
+                                       "quick subset, -m 'not slow')")
+
+
+# The slow tests, by file or node id, measured (tests/slow_tests.txt says how): what the quick
+# subset `./scripts/test.sh -m "not slow"` leaves out. CI runs everything.
+SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    entries = [line.split("#")[0].strip() for line in SLOW_TESTS.read_text().splitlines()]
+    slow = tuple(entry for entry in entries if entry)
+    for item in items:
+        if item.nodeid.startswith(slow):
+            item.add_marker(pytest.mark.slow)
 
 
 class TinyNet(nn.Module):
