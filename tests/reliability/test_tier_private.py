@@ -9,17 +9,17 @@ shared-memory folder is a fresh 1777 folder under /dev/shm, as /dev/shm itself i
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from other_user import OTHER, as_other_user
 from tier_trainee import Trainee
 
 from statereg.backends.registry import open_backend
@@ -28,7 +28,6 @@ from statereg.errors import StorageError
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
 
-OTHER = 65534  # nobody
 MINE = f"statereg-{os.geteuid()}"
 COMPONENTS = {"model": {"kind": "model"}, "optimizer": {"kind": "optimizer"}}
 
@@ -50,40 +49,6 @@ def tiered(url: str) -> dict[str, Any]:
     return {"storage": {"url": url}, "components": COMPONENTS,
             "tiers": {"memory": {"every": 2, "keep_last": 2},
                       "durable": {"every": 4, "keep_last": 2}}}
-
-
-def as_other_user(work: Callable[[], Any]) -> Any:
-    """Run `work` in a forked child as uid/gid 65534; its JSON result, or its error raised
-    here as AssertionError. Modules it needs must be imported already: the child may not
-    read the interpreter's own folder."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        status = 1
-        try:
-            os.close(read)
-            torch.set_num_threads(1)
-            os.setgroups([])
-            os.setgid(OTHER)
-            os.setuid(OTHER)
-            answer = json.dumps({"ok": work()})
-            status = 0
-        except BaseException as exc:  # reported to the parent
-            answer = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-        finally:
-            try:
-                os.write(write, answer.encode())
-            finally:
-                os._exit(status)
-    os.close(write)
-    chunks = []
-    while chunk := os.read(read, 1 << 16):
-        chunks.append(chunk)
-    os.close(read)
-    os.waitpid(pid, 0)
-    result = json.loads(b"".join(chunks) or b'{"error": "no answer"}')
-    assert "error" not in result, result["error"]
-    return result["ok"]
 
 
 def trained(steps: int, url: str) -> tuple[Trainee, Any]:
