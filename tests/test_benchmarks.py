@@ -337,13 +337,9 @@ def test_scale_breakdown_times_functions_a_save_calls(tmp_path: Path) -> None:
     assert calls and not [name for name, count in calls.items() if count == 0], calls
 
 
-def test_field_quick_measures_the_in_process_contenders_and_reports_peers_not_installed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-) -> None:
-    """perfsuite/field.py --quick without a peer venv: statereg, torch.save, safetensors and
-    plain DCP measure every operation (loads checked bit for bit by the scenario itself); the
-    peers that live in the venv, and zipnn, say how to install them; nothing is installed or
-    downloaded (no pip, no venv); every target is listed, evaluated where it was measured."""
+def forbid_installs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail any subprocess that would run pip or make a venv (a scenario's --quick installs
+    nothing)."""
     real_run = subprocess.run
 
     def no_install(command: list[str], *args: object, **kwargs: object) -> object:
@@ -351,6 +347,16 @@ def test_field_quick_measures_the_in_process_contenders_and_reports_peers_not_in
         return real_run(command, *args, **kwargs)
 
     monkeypatch.setattr(subprocess, "run", no_install)
+
+
+def test_field_quick_measures_the_in_process_contenders_and_reports_peers_not_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """perfsuite/field.py --quick without a peer venv: statereg, torch.save, safetensors and
+    plain DCP measure every operation (loads checked bit for bit by the scenario itself); the
+    peers that live in the venv, and zipnn, say how to install them; nothing is installed or
+    downloaded (no pip, no venv); every target is listed, evaluated where it was measured."""
+    forbid_installs(monkeypatch)
     out, venv = tmp_path / "out", tmp_path / "no-venv"
     run_here(monkeypatch, capsys, tmp_path, "-m", "perfsuite.field", "--quick", "--dir",
              str(tmp_path), "--out", str(out), "--peer-venv", str(venv))
@@ -424,13 +430,7 @@ def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names
     and the boto3 floor measured, every load checked bit for bit by the scenario; the peers of
     the benchmark venv (s3torchconnector, obstore) say how to install them; issue 43's bars
     are listed, evaluated where both sides were measured; nothing is installed."""
-    real_run = subprocess.run
-
-    def no_install(command: list[str], *args: object, **kwargs: object) -> object:
-        assert not {"pip", "venv"} & set(map(str, command)), f"tried to install: {command}"
-        return real_run(command, *args, **kwargs)
-
-    monkeypatch.setattr(subprocess, "run", no_install)
+    forbid_installs(monkeypatch)
     out, venv = tmp_path / "out", tmp_path / "no-venv"
     run_here(monkeypatch, capsys, tmp_path, "-m", "perfsuite.s3", "--quick", "--dir",
              str(tmp_path), "--out", str(out), "--bench-venv", str(venv))
