@@ -171,6 +171,7 @@ class _LiveState:
         self.derived: set[str] = set()  # stored names (in `tensors`) restored by load_state_dict
         self.entries: dict[str, Any] = {}  # stored name -> value, in the sidecar
         self.live_keys: dict[str, str] = {}  # stored name -> live state-dict key
+        self.buffers: set[str] = set()  # stored names (in `tensors`) of buffers
         # state_dict()'s `_metadata`: each module's version, which its _load_from_state_dict
         # reads to tell its current layout from an old one.
         self.versions: Any = None
@@ -221,17 +222,6 @@ class ModelAdapter:
     def stored_name(self, live_key: str) -> str:
         return to_stored_name(live_key, self.prefix)
 
-    def buffer_names(self) -> list[str]:
-        """Stored names of the DCP tensors that are buffers (not parameters): under DDP each
-        rank updates its own, so one rank's copy is stored (engine/save_steps.py)."""
-        module = self.live_module
-        params = {id(p) for p in module.parameters()}
-        identities = _identities(module)
-        state = self._read()
-        return sorted(stored for stored, live in state.live_keys.items()
-                      if stored in state.tensors and live in identities
-                      and identities[live] not in params)
-
     def _wrapper(self) -> Any:
         """The DistributedDataParallel wrapping the module, or None (looked for once, and
         again if the one found no longer wraps it)."""
@@ -266,6 +256,7 @@ class ModelAdapter:
         first_by_identity: dict[int, str] = {}
         module = self.live_module
         identities = _identities(module)
+        params = {id(p) for p in module.parameters()}
         trainable = ({id(p) for p in module.parameters() if p.requires_grad}
                      if self.trainable_only else None)
         live = module.state_dict()
@@ -301,6 +292,8 @@ class ModelAdapter:
                 continue
             first_by_identity[identity] = stored
             state.tensors[stored] = value
+            if identity not in params:
+                state.buffers.add(stored)
         return state
 
     def _live_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -324,7 +317,7 @@ class ModelAdapter:
             meta["entries"] = sorted(state.entries)
             where = f"component {self.name!r} (model)"
             sidecar = {"entries": _encode_entries(state.entries, where)}
-        return TensorCapture(state.tensors, meta, sidecar)
+        return TensorCapture(state.tensors, meta, sidecar, frozenset(state.buffers))
 
     def sharded_keys(self) -> list[str]:
         return sharded_keys_of(self._live_tensors()[0])

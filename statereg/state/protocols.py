@@ -28,6 +28,9 @@ class TensorCapture:
     tensors: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)
     sidecar: dict[str, Any] | None = None
+    # Keys of plain buffers (not parameters): each rank updates its own copy (BatchNorm under
+    # DDP), so a collective save stores one rank's, the coordinator's (engine/save_steps.py).
+    buffers: frozenset[str] = frozenset()
 
 
 @runtime_checkable

@@ -57,7 +57,7 @@ from statereg.formats.jsonstate import decode_state, encode_state
 from statereg.formats.names import SIDECAR_NAME
 from statereg.formats.tensors import dcp_tensor_metas
 from statereg.schemas.manifest import ComponentRecord, FileRecord
-from statereg.state.model import ModelAdapter, describe, is_plain_tensor
+from statereg.state.model import describe, is_plain_tensor
 from statereg.state.protocols import TensorMeta, TensorState
 
 
@@ -212,11 +212,10 @@ class DCPLayout:
         state = adapter.capture()
         _check_items(task, state.tensors)
         item = Captured(task, tensors=state.tensors, meta=state.meta)
-        if task.collective is not None and isinstance(adapter, ModelAdapter):
+        if task.collective is not None:
             # Plain buffers (not DTensor shards) are one rank's copy: the coordinator's.
             item.coordinator_only = frozenset(
-                key for key in adapter.buffer_names()
-                if type(state.tensors.get(key)) in PLAIN_TENSOR_TYPES)
+                key for key in state.buffers if type(state.tensors[key]) in PLAIN_TENSOR_TYPES)
         if task.leader and state.sidecar is not None:
             item.blobs[f"{task.directory}/{SIDECAR_NAME}"] = encode_state(
                 state.sidecar, f"component {task.component!r}")
