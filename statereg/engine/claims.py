@@ -107,7 +107,7 @@ class ClaimInfo:
     @classmethod
     def parse(cls, data: bytes) -> ClaimInfo | None:
         try:
-            raw = json.loads(data)
+            raw = json.loads(data.decode("utf-8"))  # ours are UTF-8 (RFC 8259)
             return cls(token=str(raw["token"]), host=str(raw["host"]),
                        host_id=str(raw["host_id"]), pid=int(raw["pid"]),
                        thread=str(raw["thread"]), started_at=float(raw["started_at"]),

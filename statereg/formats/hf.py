@@ -103,7 +103,7 @@ def _read_header(backend: ReadableStore, path: str) -> dict:
         if not 0 < size <= _MAX_HEADER:
             raise CorruptCheckpointError(f"{where} is not a safetensors file (bad header length)")
         try:
-            header = json.loads(stream.read(size))
+            header = json.loads(stream.read(size).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CorruptCheckpointError(f"{where}: safetensors header is not JSON ({exc})"
                                          ) from None
@@ -173,7 +173,8 @@ class SafetensorsDirectory:
         if INDEX_NAME in names:
             where = self.backend.display(join(self.directory, INDEX_NAME))
             try:
-                index = json.loads(self.backend.read_bytes(join(self.directory, INDEX_NAME)))
+                index = json.loads(self.backend.read_bytes(
+                    join(self.directory, INDEX_NAME)).decode("utf-8"))
                 files = sorted(set(index["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise CorruptCheckpointError(f"{where} is not a safetensors index ({exc})"

@@ -96,7 +96,7 @@ def encode_state(state: Any, where: str) -> bytes:
 def decode_state(data: bytes, where: str) -> Any:
     """Parse bytes written by `encode_state`; damage is a CorruptCheckpointError naming `where`."""
     try:
-        return _decode(json.loads(data), where)
+        return _decode(json.loads(data.decode("utf-8")), where)
     except CorruptCheckpointError:
         raise
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:

@@ -308,7 +308,8 @@ def _decode(data: bytes, source: str) -> dict[str, Any]:
         raw = None
     try:
         if raw is None:
-            raw = json.loads(data, parse_int=_bounded_int, parse_constant=_refuse_constant)
+            raw = json.loads(data.decode("utf-8"), parse_int=_bounded_int,
+                             parse_constant=_refuse_constant)
     except RecursionError:
         raise ManifestError(
             f"{source}: manifest nests lists or objects too deeply to be one statereg wrote; "

@@ -346,3 +346,39 @@ def test_links_and_fifos_under_a_checkpoints_name_are_named_by_gc_and_skipped(tm
                        ("step_00000004", "symlink")):
         assert f"{name}  unreadable entry" in printed and f"keep: a {kind}" in printed
         assert os.path.lexists(tmp_path / "root" / name)
+
+
+# JSON that `json.loads(bytes)` would take for UTF-16/32 (it guesses from the NUL bytes) and
+# decode with a codec imported on first use: as another user the interpreter's library
+# folder may be unreadable (seed 8011: "LookupError: unknown encoding: utf-16-be" from a
+# claim holding such garbage). statereg writes UTF-8 and reads it as UTF-8 (RFC 8259).
+_WIDE = ["utf-16-be", "utf-16-le", "utf-32-be", "utf-32-le"]
+
+
+def _parsed_wide_files() -> list[str]:
+    from statereg.engine.claims import ClaimInfo
+    from statereg.formats.jsonstate import decode_state
+    from statereg.schemas.manifest import parse_manifest
+    claim = ('{"token": "t", "host": "h", "host_id": "i", "pid": 1, "thread": "x", '
+             '"started_at": 0, "renewed_at": 0, "lease_s": 60}')
+    seen = []
+    for codec in _WIDE:
+        data = claim.encode(codec)
+        seen.append(f"claim {codec}: {ClaimInfo.parse(data)}")
+        for parse in (parse_manifest, decode_state):
+            try:
+                parse(data, "where")
+            except statereg.StateregError as exc:
+                seen.append(f"{type(exc).__name__}")
+    return seen
+
+
+def test_json_files_in_another_encoding_are_damage_never_an_odd_error():
+    assert _parsed_wide_files() == [
+        item for codec in _WIDE
+        for item in (f"claim {codec}: None", "ManifestError", "CorruptCheckpointError")]
+
+
+@needs_root
+def test_json_files_in_another_encoding_are_damage_as_another_user():
+    assert as_other_user(_parsed_wide_files) == _parsed_wide_files()

@@ -270,6 +270,16 @@ class StorageModel(RuleBasedStateMachine):
         return None
 
     def record(self, step: int, writer: str, state: dict[str, Any], metric: float) -> None:
+        name = checkpoint_name(step)
+        for other, ckpt in self.ckpts.items():
+            # A reader whose files in this step's directory were damaged did not keep them
+            # (`refusal`): the save replaced them, so a listing now finds them missing or
+            # other than recorded (seed 8009).
+            there = [p for p in ckpt.deps if p.startswith(f"{name}/")]
+            if other != step and any(
+                    p in self.damage and self.damage[p][1] > ckpt.at for p in there):
+                for p in there:
+                    self.damage[p] = ("delete", self.tick())
         deps: frozenset[str] = frozenset()
         manifest = self.call("read_manifest", lambda: statereg.read_manifest(
             self.url(step), self.opts))
@@ -1336,3 +1346,20 @@ def test_regression_gc_of_a_root_nothing_was_saved_to_names_it_missing(tmp_path,
     # Seed 9900 (ff19ddf): `statereg gc` on a local root that does not exist yet now exits 1
     # naming it (a typo'd root must not look empty); the model took that for a failed gc.
     replay(tmp_path, {"keep_last": 1}, ("gc", {"delete": delete, "via_cli": True}))
+
+
+def test_regression_a_save_that_replaced_a_damaged_readers_files_may_drop_it(tmp_path, quiet):
+    # Seed 8009 (586a99b): step 6 (the second writer's) references step 5's retired base,
+    # whose file then rots; the run resumes from 4 and saves 5, which replaces that file
+    # (a damaged reader keeps nothing); 6 then lists as damaged. The model still counted
+    # 6 as one a listing calls intact and took its absence for retention deleting it.
+    replay(tmp_path, {"keep_last": 1, "keep_every": 2},
+           ("restart_as_another_user", {"saves": 1, "what": "leftover"}),
+           ("damage_the_newest_then_save", {"file": 0, "how": "flip", "mode": "plain",
+                                            "saves": 1, "where": 0.0}),
+           ("save", {"level": 0, "mode": "plain", "train": False}),
+           ("save_while_others_work", {"during": ["second writer saves"] * 2, "train": False}),
+           ("rot_a_reused_file_then_save_incremental", {"saves": 1, "where": 0.0}),
+           ("damage_the_newest_then_restart", {"file": 0, "how": "manifest.sum",
+                                               "mode": "incremental", "saves": 1, "where": 0.0}),
+           other_mode="incremental")
