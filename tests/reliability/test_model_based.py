@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -99,6 +100,7 @@ class Ckpt:
     metric: float
     deps: frozenset[str]  # root-relative files it reads: its own and those it references
     at: int  # the model's clock when it committed
+    sums: dict[str, str | None]  # deps' contents when it committed (`digest`)
 
 
 @dataclass
@@ -254,6 +256,10 @@ class StorageModel(RuleBasedStateMachine):
         name = checkpoint_name(step)
         if step in self.foreign:
             return f"another user's {self.foreign[step]} is there"
+        if step in self.ckpts and self.intact(step):
+            # Damaged when the run resumed below it, whole again since: an earlier save of
+            # this run rewrote the file it had lost with the same bytes (seed 8103).
+            return "an intact checkpoint of that step is there"
         if step in self.claim_damaged:
             return "a planted claim is there"
         readers = []
@@ -273,21 +279,32 @@ class StorageModel(RuleBasedStateMachine):
         name = checkpoint_name(step)
         for other, ckpt in self.ckpts.items():
             # A reader whose files in this step's directory were damaged did not keep them
-            # (`refusal`): the save replaced them, so a listing now finds them missing or
-            # other than recorded (seed 8009).
+            # (`refusal`): the save replaced them. Each is whole again for its readers when
+            # the save wrote the same bytes (a deterministic run re-saving a step, seed
+            # 8103), else missing or other than recorded (seed 8009).
             there = [p for p in ckpt.deps if p.startswith(f"{name}/")]
             if other != step and any(
                     p in self.damage and self.damage[p][1] > ckpt.at for p in there):
                 for p in there:
-                    self.damage[p] = ("delete", self.tick())
+                    if self.digest(p) == ckpt.sums.get(p):
+                        self.damage.pop(p, None)
+                    else:
+                        self.damage[p] = ("delete", self.tick())
         deps: frozenset[str] = frozenset()
         manifest = self.call("read_manifest", lambda: statereg.read_manifest(
             self.url(step), self.opts))
         if isinstance(manifest, statereg.Manifest):
             deps = frozenset(f.path for f in manifest.root_files(checkpoint_name(step)))
-        self.ckpts[step] = Ckpt(step, writer, state, metric, deps, self.tick())
+        self.ckpts[step] = Ckpt(step, writer, state, metric, deps, self.tick(),
+                                {p: self.digest(p) for p in deps})
         self.bad_manifest.pop(step, None)  # a damaged one this save retired
         self.claim_damaged.discard(step)
+
+    def digest(self, path: str) -> str | None:
+        """The file's contents, hashed; None when it is missing."""
+        if not self.root.exists(path):
+            return None
+        return hashlib.blake2b(self.root.read(path), digest_size=16).hexdigest()
 
     def settle(self, before: list[int], retired: set[int] = frozenset()) -> list[int]:
         """List again: nothing appears that was never committed, and no intact checkpoint
@@ -1362,4 +1379,23 @@ def test_regression_a_save_that_replaced_a_damaged_readers_files_may_drop_it(tmp
            ("rot_a_reused_file_then_save_incremental", {"saves": 1, "where": 0.0}),
            ("damage_the_newest_then_restart", {"file": 0, "how": "manifest.sum",
                                                "mode": "incremental", "saves": 1, "where": 0.0}),
+           other_mode="incremental")
+
+
+def test_regression_a_step_a_resave_made_whole_again_is_refused_as_intact(tmp_path, quiet):
+    # Seed 8103 (66614cb): step 6 (the second writer's) references step 5's file, which a
+    # flip damaged; a restart resumes from 4 and saves 5 again with the same bytes, so 6 is
+    # whole again, and the save of 6 is refused as over an intact checkpoint: a real cause
+    # (the next restart resumes from 6). The model still counted 6 as damaged.
+    replay(tmp_path, {"keep_last": 3, "keep_best": {"metric": "loss", "mode": "min",
+                                                    "count": 1}},
+           ("restart_as_another_user", {"saves": 2, "what": "leftover"}),
+           ("resume", {}),
+           ("restart_as_another_user", {"saves": 2, "what": "retired leftover"}),
+           ("save_with_bad_arguments", {"which": "huge int in extra"}),
+           ("save_while_others_work", {"during": ["gc --delete", "gc --delete", "gc"],
+                                       "train": True}),
+           ("second_writer_saves", {"level": 2, "train": True}),
+           ("damage_a_file", {"file": 41, "how": "flip", "pick": 62, "where": 0.3}),
+           ("restart_as_another_user", {"saves": 2, "what": "file"}),
            other_mode="incremental")
