@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import select
 import shutil
 import struct
@@ -86,8 +87,10 @@ def run_on_a_terminal(tmp_path: Path, **env: str) -> str:
 
 
 def bars_started(text: str, description: str) -> int:
-    """How many bars with `description` were drawn: each is first drawn at 0%."""
-    return text.count(f"{description}:   0%")
+    """How many bars with `description` were drawn: tqdm draws each one first with no byte
+    done (`save step_00000001:   0%|          | 0.00/263k [00:00<?, ?B/s]`), and never
+    again with none (later draws follow an update)."""
+    return len(re.findall(rf"{re.escape(description)}: +0%\|[^|]*\| 0\.00/", text))
 
 
 def test_under_torchrun_on_a_terminal_one_rank_draws_and_tqdm_disable_silences_it(
