@@ -1,7 +1,7 @@
 """The contract between statereg's integrations and the frameworks' private names.
 
 Each integration lists the names of its framework that are not the framework's documented API
-in one block (`PRIVATE_NAMES`, docs/integrations/index.md#private-names). Against the
+in one block (`PRIVATE_NAMES`, docs/integrations/index.md, "Private names"). Against the
 releases installed here (those constraints.txt pins, which CI installs) every listed name
 resolves, on the classes at import and on live objects; the releases each integration says
 it is tested with are the pinned ones; and a release without a name gets statereg's own error
@@ -12,6 +12,8 @@ a training hook.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -41,8 +43,12 @@ def integration(name: str) -> Any:
 
 
 def pinned(distribution: str) -> str:
+    """The release constraints.txt pins; under CI (which installs it) also the installed one."""
     match = re.search(rf"^{re.escape(distribution)}==(\S+)$", CONSTRAINTS.read_text(), re.M)
     assert match, f"constraints.txt pins no {distribution}"
+    if os.environ.get("CI") == "true":
+        installed = importlib.metadata.version(distribution).partition("+")[0]
+        assert installed == match.group(1), f"CI installed {distribution} {installed}"
     return match.group(1)
 
 
