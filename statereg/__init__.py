@@ -15,7 +15,7 @@ from statereg.version import __version__
 # Every module logs to its own logger under "statereg" (logging.getLogger(__name__)); the
 # application decides where records go. Without a handler of its own, Python's last-resort
 # handler would print its warnings on stderr in every program that configured no logging
-# (the `statereg` command prints them itself: cli._warnings_to_stderr).
+# (the `statereg` command prints them itself: cli/parser.py, _warnings_to_stderr).
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _EXPORTS = {

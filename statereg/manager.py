@@ -549,14 +549,16 @@ class CheckpointManager:
             )
         return None
 
-    def peek(self, url: str | os.PathLike[str] | None = None, *,
+    def peek(self, url: str | os.PathLike[str] | None = None, *, step: int | None = None,
              storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
-        """Step, tokens and extra of a checkpoint (default: latest) without loading tensors.
+        """Step, tokens and extra of a checkpoint (default: latest; or `url`, or `step` in this
+        run's root, as load() takes them) without loading tensors. A `step` that has no
+        committed checkpoint raises CheckpointNotFoundError naming the committed steps.
 
         Collective under torch.distributed, as load() is: rank 0 reads the manifest and every
         rank receives it (call it on every rank)."""
         self.wait()
-        resolved = self._resolve(url, None, storage_options)
+        resolved = self._resolve(url, step, storage_options)
         if resolved is None:
             return None
         backend, committed = resolved

@@ -192,6 +192,10 @@ def test_peek_reads_the_bookkeeping_without_loading(make_spec, make_model, tmp_p
     assert info.path == str(tmp_path / "ckpt" / "step_00000009")
     assert info.components == ("model", "rng")
     assert other.peek(str(tmp_path / "ckpt" / "step_00000005")).extra == {"loss": 1.5}
+    assert other.peek(step=5).path == str(tmp_path / "ckpt" / "step_00000005")
+    with pytest.raises(statereg.CheckpointNotFoundError,
+                       match=r"step 7 has no committed checkpoint .*; committed steps: 5, 9"):
+        other.peek(step=7)
     assert torch.equal(torch.get_rng_state(), rng_before)
     for key, value in before.items():
         assert torch.equal(model.state_dict()[key], value)

@@ -1,18 +1,23 @@
 """What the framework integrations share: reading the user's declaration, where the
 framework supplies the components, and merging the two; their default save mode; knowing
-whether gradients wait for an optimizer step (no framework imported here)."""
+whether gradients wait for an optimizer step; checking the framework's private names each
+one relies on (no framework imported here)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 import json
 import os
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from statereg.declaration import read_declaration
-from statereg.errors import SpecError
+from statereg.errors import SpecError, StateregError
 from statereg.schemas.spec import RegistrySpec
 
 SpecSource = str | os.PathLike[str] | Mapping[str, Any] | RegistrySpec
@@ -114,3 +119,109 @@ class GradientsInFlight:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _resolve(path: str) -> Any:
+    """The object at dotted `path` (a module, then attributes), or None if there is none."""
+    parts = path.split(".")
+    obj: Any
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateName:
+    """A name a framework does not document as its API, which an integration relies on:
+    `owner.name`, and what the integration does with it. `owner` is the dotted path of a
+    module or class (a private class is reached through this table too, never imported), or
+    the object itself.
+
+    `on_instances`: the attribute lives on each instance, set by the owner's constructor (a
+    dataclass field, or an assignment in `__init__`), so that is what is checked. `parameters`:
+    a method the integration overrides, which must take exactly these parameters. `feature`:
+    None when the integration cannot work without the name; otherwise what is lost without
+    it (said once, in a warning at import).
+    """
+
+    owner: Any
+    name: str
+    use: str
+    on_instances: bool = False
+    parameters: tuple[str, ...] | None = None
+    feature: str | None = None
+
+    @property
+    def owner_object(self) -> Any:
+        """The module or class, or None when the installed framework has none there."""
+        return _resolve(self.owner) if isinstance(self.owner, str) else self.owner
+
+    @property
+    def label(self) -> str:
+        """`package.module.Class.name`, as the framework's source spells it."""
+        owner = self.owner
+        if not isinstance(owner, str):
+            owner = owner.__name__ if inspect.ismodule(owner) else \
+                f"{owner.__module__}.{owner.__qualname__}"
+        return f"{owner}.{self.name}"
+
+    def problem(self) -> str | None:
+        """Why this name does not resolve in the installed framework, or None when it does."""
+        owner = self.owner_object
+        if owner is None:
+            return f"there is no {self.owner}"
+        if self.on_instances:
+            fields = ({f.name for f in dataclasses.fields(owner)}
+                      if dataclasses.is_dataclass(owner) else set())
+            code = getattr(getattr(owner, "__init__", None), "__code__", None)
+            if self.name in fields or (code is not None and self.name in code.co_names):
+                return None
+            return "its constructor does not set it"
+        if not hasattr(owner, self.name):
+            return "there is no such name"
+        if self.parameters is not None:
+            got = tuple(inspect.signature(getattr(owner, self.name)).parameters)
+            if got != self.parameters:
+                return f"it takes ({', '.join(got)}), not ({', '.join(self.parameters)})"
+        return None
+
+    @property
+    def value(self) -> Any:
+        """The module's or class's own object of this name (not for `on_instances`)."""
+        return getattr(self.owner_object, self.name)
+
+
+def check_private_names(integration: str, framework: str, installed: str, tested: str,
+                        names: Sequence[PrivateName]) -> frozenset[str]:
+    """Resolve an integration's private framework names, once, at its import.
+
+    A required name that does not resolve raises StateregError naming the name, the installed
+    release and the one CI tests (constraints.txt), instead of an AttributeError deep inside
+    a training hook. A name that only a feature needs turns that feature off with one
+    warning saying what is lost. Returns the features turned off."""
+    off: dict[str, list[str]] = {}
+    for private in names:
+        problem = private.problem()
+        if problem is None:
+            continue
+        what = f"{private.label} ({private.use}): {problem}"
+        if private.feature is None:
+            raise StateregError(
+                f"{integration} relies on {framework}'s private {what} in {framework} "
+                f"{installed}; install {framework}=={tested}, the release CI tests "
+                f"(constraints.txt), or a statereg that supports {framework} {installed}")
+        off.setdefault(private.feature, []).append(what)
+    for feature, whats in off.items():
+        warnings.warn(
+            f"{integration}: {framework} {installed} lacks {'; '.join(whats)}, so {feature}; "
+            f"{framework}=={tested} (constraints.txt) has everything", UserWarning,
+            stacklevel=3)
+    return frozenset(off)

@@ -58,37 +58,98 @@ CheckpointMismatchError naming the change. The iterator that
 continues a resumed epoch is built without drawing from the global generator (the
 uninterrupted run drew that seed before the checkpoint), so dropout after the resume draws
 what it drew.
+
+Accelerate keeps what `prepare()` made in private lists, and torchdata marks a finished epoch
+with a private key: every such name is in the one block below the imports (PRIVATE_NAMES),
+checked when this module is imported and by tests/integrations/test_private_contract.py
+against the releases CI tests (constraints.txt).
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import weakref
-from typing import Any
+from typing import Any, Literal
 
+import accelerate
 import torch
 from accelerate import Accelerator
 
-from statereg.declaration import load_spec
-from statereg.engine.load import LoadResult
-from statereg.engine.saver import SaveHandle
-from statereg.errors import SpecError
+from statereg import CheckpointManager, LoadResult, RegistrySpec, SpecError, load_spec
+from statereg.engine.saver import SaveHandle  # beyond the public API: what save() returns
 from statereg.integrations._common import (
     GradientsInFlight,
+    PrivateName,
     SpecSource,
+    check_private_names,
     declaration_dict,
     default_async,
     merge_components,
     section,
     set_once,
 )
-from statereg.manager import CheckpointManager
-from statereg.schemas.spec import RegistrySpec
-from statereg.state.objects import DataloaderAdapter
+from statereg.state.objects import DataloaderAdapter  # beyond the public API: the core adapter
 
 logger = logging.getLogger(__name__)
+
+# -- Accelerate's and torchdata's private names: this block is the only code that touches them
+# Each is listed once here, checked at import (a release without one fails at once, naming
+# it), and read or written only through the functions below;
+# tests/integrations/test_private_contract.py checks every one against the release CI pins.
+# Update TESTED_ACCELERATE with constraints.txt.
+TESTED_ACCELERATE = "1.15.0"
+TESTED_TORCHDATA = "0.11.0"
+Prepared = Literal["models", "optimizers", "schedulers", "dataloaders", "custom_objects"]
+PREPARED: dict[str, PrivateName] = {
+    what: PrivateName(Accelerator, f"_{what}", use, on_instances=True)
+    for what, use in (("models", "the models prepare() made"),
+                      ("optimizers", "the optimizers prepare() made"),
+                      ("schedulers", "the schedulers prepare() made"),
+                      ("dataloaders", "the dataloaders prepare() made"),
+                      ("custom_objects", "the objects given to register_for_checkpointing"))}
+SHARD_STATE = PrivateName("accelerate.data_loader.DataLoaderAdapter", "dl_state_dict",
+                          "the position state_dict() returns, set on a load",
+                          on_instances=True)
+SHARD_EPOCH = PrivateName("accelerate.data_loader.DataLoaderShard", "iteration",
+                          "the epoch counter its sampler's order comes from",
+                          on_instances=True)
+PRIVATE_NAMES = (*PREPARED.values(), SHARD_STATE, SHARD_EPOCH)
+check_private_names(__name__, "accelerate", accelerate.__version__, TESTED_ACCELERATE,
+                    PRIVATE_NAMES)
+# torchdata is what makes accelerate's stateful dataloaders; without it there are none.
+TORCHDATA_FINISHED = PrivateName("torchdata.stateful_dataloader.stateful_dataloader",
+                                 "_ITERATOR_FINISHED",
+                                 "the state key saying the epoch's last batch was yielded")
+_ITERATOR_FINISHED: str | None = None
+if importlib.util.find_spec("torchdata") is not None:
+    check_private_names(__name__, "torchdata", importlib.metadata.version("torchdata"),
+                        TESTED_TORCHDATA, [TORCHDATA_FINISHED])
+    _ITERATOR_FINISHED = TORCHDATA_FINISHED.value
+
+
+def _prepared(accelerator: Accelerator, what: Prepared) -> list[Any]:
+    """What `accelerator.prepare()` (or register_for_checkpointing) holds, in order."""
+    return list(getattr(accelerator, PREPARED[what].name))
+
+
+def _set_shard_state(loader: Any, state: dict[str, Any]) -> None:
+    loader.dl_state_dict = state
+
+
+def _shard_epoch(loader: Any) -> int | None:
+    """A DataLoaderShard's (or DataLoaderDispatcher's) epoch counter; None without one."""
+    epoch = getattr(loader, "iteration", None)
+    return None if epoch is None else int(epoch)
+
+
+def _set_shard_epoch(loader: Any, epoch: int) -> None:
+    loader.iteration = epoch
+
+# -- end of the private names ----------------------------------------------------------------
 
 # One manager per Accelerator when save_state / load_state are given a declaration.
 _MANAGERS: weakref.WeakKeyDictionary[Accelerator, tuple[RegistrySpec, CheckpointManager]] = \
@@ -116,8 +177,8 @@ class _LoaderPosition:
 
     def state_dict(self) -> dict[str, Any]:
         state = dict(self.loader.state_dict())
-        iteration = int(getattr(self.loader, "iteration", 0))
-        if state.get("_iterator_finished"):
+        iteration = _shard_epoch(self.loader) or 0
+        if _ITERATOR_FINISHED is not None and state.get(_ITERATOR_FINISHED):
             # The epoch's last batch was yielded: the uninterrupted loop goes on with a new
             # epoch, built afresh (drawing its seed from the global generator), so resume so.
             return {"iteration": iteration + 1, "loader": None}
@@ -131,7 +192,7 @@ class _LoaderPosition:
             # statereg's dataloader adapter: refuses a loader already iterated, loads the
             # position, and builds the resumed iterator outside the global generator.
             adapter.restore(state["loader"])
-            loader.dl_state_dict = dict(state["loader"])
+            _set_shard_state(loader, dict(state["loader"]))
         else:
             # A new epoch: its iterator is built afresh at the next iter(), drawing its seed
             # from the (restored) global generator as the uninterrupted loop's does. Not the
@@ -139,8 +200,8 @@ class _LoaderPosition:
             # drawn before the load.
             adapter.check_ready()
             base.load_state_dict({})
-        if hasattr(loader, "iteration"):
-            loader.iteration = int(state["iteration"])
+        if _shard_epoch(loader) is not None:
+            _set_shard_epoch(loader, int(state["iteration"]))
 
 
 class _AcceleratorStep:
@@ -194,12 +255,12 @@ def live_objects(accelerator: Accelerator, *, dataloaders: bool = True,
     """The components (declarations) and their objects for everything `accelerator` holds."""
     comps: dict[str, dict[str, Any]] = {}
     objects: dict[str, Any] = {}
-    models = [accelerator.unwrap_model(m) for m in accelerator._models]
+    models = [accelerator.unwrap_model(m) for m in _prepared(accelerator, "models")]
     for i, model in enumerate(models):
         comps[_indexed("model", i)] = {"kind": "model"}
         objects[_indexed("model", i)] = model
     owners = [_parameters(m) for m in models]
-    for i, wrapped in enumerate(accelerator._optimizers):
+    for i, wrapped in enumerate(_prepared(accelerator, "optimizers")):
         optimizer = getattr(wrapped, "optimizer", wrapped)
         first = next((id(p) for g in optimizer.param_groups for p in g["params"]), None)
         owner = next((j for j, params in enumerate(owners) if first in params), None)
@@ -209,11 +270,11 @@ def live_objects(accelerator: Accelerator, *, dataloaders: bool = True,
                 "prepared model; prepare the model it optimizes in the same Accelerator")
         comps[_indexed("optimizer", i)] = {"kind": "optimizer", "model": _indexed("model", owner)}
         objects[_indexed("optimizer", i)] = optimizer
-    for i, wrapped in enumerate(accelerator._schedulers):
+    for i, wrapped in enumerate(_prepared(accelerator, "schedulers")):
         comps[_indexed("scheduler", i)] = {"kind": "scheduler"}
         objects[_indexed("scheduler", i)] = getattr(wrapped, "scheduler", wrapped)
     if dataloaders:
-        for i, loader in enumerate(accelerator._dataloaders):
+        for i, loader in enumerate(_prepared(accelerator, "dataloaders")):
             name = _indexed("dataloader", i)
             if not getattr(loader, "use_stateful_dataloader", False):
                 raise SpecError(
@@ -226,7 +287,7 @@ def live_objects(accelerator: Accelerator, *, dataloaders: bool = True,
             _check_order_restorable(name, loader)
             comps[name] = {"kind": "dataloader"}
             objects[name] = _LoaderPosition(name, loader)
-    for i, obj in enumerate(accelerator._custom_objects):
+    for i, obj in enumerate(_prepared(accelerator, "custom_objects")):
         comps[f"custom_{i}"] = {"kind": "custom"}
         objects[f"custom_{i}"] = obj
     if accelerator.scaler is not None:
@@ -314,8 +375,8 @@ def _close_before_end_training(accelerator: Accelerator) -> None:
 def _gradients(accelerator: Accelerator) -> GradientsInFlight:
     gradients = _GRADIENTS.get(accelerator)
     if gradients is None:
-        params = [p for model in accelerator._models for p in model.parameters()]
-        optimizers = [getattr(o, "optimizer", o) for o in accelerator._optimizers]
+        params = [p for model in _prepared(accelerator, "models") for p in model.parameters()]
+        optimizers = [getattr(o, "optimizer", o) for o in _prepared(accelerator, "optimizers")]
         gradients = _GRADIENTS[accelerator] = GradientsInFlight(params, optimizers)
     return gradients
 

@@ -52,9 +52,10 @@ Under DDP, Lightning wraps a shuffling loader's own sampler in a DistributedSamp
 that sampler's generator is saved too (at the epoch's start and at the save), since the
 loader's state does not reach it.
 
-Lightning's private names used: `trainer.fit_loop._data_fetcher` (iterated again after the
-loader's position is restored), and the wrapper's `_DatasetSamplerWrapper` (`_sampler`,
-`reset`). Tested with lightning 2.6.
+Lightning documents neither its loops nor its sampler wrapper: every such name this module
+uses is in the one block below its imports (PRIVATE_NAMES), checked when it is imported and
+by tests/integrations/test_private_contract.py against lightning 2.6.6, the release CI tests
+(constraints.txt); docs/integrations/index.md says what happens on another release.
 """
 
 from __future__ import annotations
@@ -69,12 +70,16 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from statereg.declaration import load_spec, read_declaration
-from statereg.engine.load import LoadResult
-from statereg.errors import SpecError
-from statereg.integrations._common import declaration_dict, default_async
-from statereg.manager import CheckpointManager
-from statereg.schemas.spec import RegistrySpec
+from statereg import CheckpointManager, LoadResult, RegistrySpec, SpecError, load_spec
+from statereg.integrations._common import (
+    PrivateName,
+    check_private_names,
+    declaration_dict,
+    default_async,
+)
+
+# Beyond the public API (statereg/__init__.py): the core's own DDP layout, loader checks and
+# generator capture, so a fit resumes by its rules (docs/integrations/index.md).
 from statereg.state.ddp import DDPBucketLayout
 from statereg.state.objects import check_loader_shape, resuming_loader
 from statereg.state.rng import RNGAdapter
@@ -85,6 +90,74 @@ except ImportError:  # pragma: no cover - the standalone package
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 logger = logging.getLogger(__name__)
+
+# -- Lightning's private names: this block is the only code that touches them --------------
+# Lightning's loops (`trainer.fit_loop` is a `_FitLoop`) and the dataset wrapper it puts
+# around a sampler under DDP are private. Each name is listed once here, checked at import
+# (a release without one fails at once, naming it), and read only through the functions
+# below; tests/integrations/test_private_contract.py checks every one against the release CI
+# pins. Update TESTED_LIGHTNING with constraints.txt.
+TESTED_LIGHTNING = "2.6.6"
+_PL = pl.__name__  # lightning.pytorch, or pytorch_lightning (the standalone package)
+_WRAPPED = ("a fit under DDP whose train loader's sampler draws from a generator of its own "
+            "does not save that generator, and does not resume bit-exactly")
+FIT_LOOP_DATA_FETCHER = PrivateName(
+    f"{_PL}.loops.fit_loop._FitLoop", "_data_fetcher",
+    "iterated again once the loader's saved position is given", on_instances=True)
+FIT_LOOP_EPOCH_PROGRESS = PrivateName(
+    f"{_PL}.loops.fit_loop._FitLoop", "epoch_progress", "the epoch being processed",
+    on_instances=True)
+PROGRESS_CURRENT = PrivateName(f"{_PL}.loops.progress._Progress", "current",
+                               "the epoch being processed", on_instances=True)
+TRACKER_PROCESSED = PrivateName(f"{_PL}.loops.progress._ProcessedTracker", "processed",
+                                "the epoch being processed", on_instances=True)
+FIT_LOOP_EPOCH_LOOP = PrivateName(
+    f"{_PL}.loops.fit_loop._FitLoop", "epoch_loop",
+    "whether the saved batch was its epoch's last", on_instances=True)
+EPOCH_LOOP_BATCH_PROGRESS = PrivateName(
+    f"{_PL}.loops.training_epoch_loop._TrainingEpochLoop", "batch_progress",
+    "whether the saved batch was its epoch's last", on_instances=True)
+BATCH_PROGRESS_IS_LAST = PrivateName(
+    f"{_PL}.loops.progress._BatchProgress", "is_last_batch",
+    "whether the saved batch was its epoch's last", on_instances=True)
+SAMPLER_WRAPPER = PrivateName(
+    f"{_PL}.overrides.distributed", "_DatasetSamplerWrapper",
+    "recognising the sampler Lightning wrapped under DDP", feature=_WRAPPED)
+_WRAPPER_PATH = f"{SAMPLER_WRAPPER.owner}.{SAMPLER_WRAPPER.name}"
+WRAPPER_SAMPLER = PrivateName(_WRAPPER_PATH, "_sampler", "the wrapped sampler's generator",
+                              on_instances=True, feature=_WRAPPED)
+WRAPPER_RESET = PrivateName(_WRAPPER_PATH, "reset", "listing the wrapped sampler again",
+                            feature=_WRAPPED)
+PRIVATE_NAMES = (FIT_LOOP_DATA_FETCHER, FIT_LOOP_EPOCH_PROGRESS, PROGRESS_CURRENT,
+                 TRACKER_PROCESSED, FIT_LOOP_EPOCH_LOOP, EPOCH_LOOP_BATCH_PROGRESS,
+                 BATCH_PROGRESS_IS_LAST, SAMPLER_WRAPPER, WRAPPER_SAMPLER, WRAPPER_RESET)
+_OFF = check_private_names(__name__, "lightning", pl.__version__, TESTED_LIGHTNING,
+                           PRIVATE_NAMES)
+_WRAPPER_CLASS: type | None = None if _WRAPPED in _OFF else SAMPLER_WRAPPER.value
+
+
+def _data_fetcher(trainer: pl.Trainer) -> Any:
+    return trainer.fit_loop._data_fetcher
+
+
+def _epoch_processed(trainer: pl.Trainer) -> int:
+    progress: Any = trainer.fit_loop.epoch_progress.current  # processed: not annotated
+    return int(progress.processed)
+
+
+def _ended_an_epoch(trainer: pl.Trainer) -> bool:
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def _wrapped_sampler(wrapper: Any) -> Any:
+    return wrapper._sampler
+
+
+def _list_wrapped_again(wrapper: Any) -> None:
+    """The wrapper class's own reset (an instance's may be replaced: _epoch_order_from)."""
+    WRAPPER_RESET.value(wrapper)
+
+# -- end of Lightning's private names ------------------------------------------------------
 
 # What to do instead of resuming with another train dataloader.
 _NEW_FIT = ("start a new fit in another storage.url (statereg resumes the newest checkpoint "
@@ -110,7 +183,8 @@ def _wrapper_of(loader: Any) -> Any:
     """Lightning's `_DatasetSamplerWrapper` inside a DistributedSamplerWrapper, or None."""
     sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
     wrapped = getattr(sampler, "dataset", None)
-    return wrapped if callable(getattr(wrapped, "reset", None)) else None
+    return wrapped if _WRAPPER_CLASS is not None and isinstance(wrapped, _WRAPPER_CLASS) \
+        else None
 
 
 @contextlib.contextmanager
@@ -126,7 +200,7 @@ def _epoch_order_from(loader: Any, generator: torch.Generator | None,
 
     def reset() -> None:
         generator.set_state(state)
-        type(wrapper).reset(wrapper)
+        _list_wrapped_again(wrapper)
 
     wrapper.reset = reset
     try:
@@ -141,9 +215,9 @@ def _wrapped_generator(loader: Any) -> torch.Generator | None:
     Under DDP, Lightning puts a shuffling loader's own sampler (torchdata's RandomSampler,
     which draws from a generator of its own) inside a DistributedSamplerWrapper, which draws
     the epoch's order from it when the epoch's iterator starts; the loader's state does not
-    reach it there, so its generator is kept here (Lightning's private `_sampler`)."""
-    inner = getattr(_wrapper_of(loader), "_sampler", None)
-    generator = getattr(inner, "generator", None)
+    reach it there, so its generator is kept here."""
+    wrapper = _wrapper_of(loader)
+    generator = None if wrapper is None else getattr(_wrapped_sampler(wrapper), "generator", None)
     return generator if isinstance(generator, torch.Generator) else None
 
 
@@ -264,8 +338,7 @@ class StateregCheckpoint(pl.Callback):
                  mode: str = "min", save_top_k: int = 1, save_last: bool = True,
                  objects: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self._declared = (declaration_dict(spec, "StateregCheckpoint")[0]
-                          if isinstance(spec, RegistrySpec) else read_declaration(spec))
+        self._declared = declaration_dict(spec, "StateregCheckpoint")[0]
         save = self._declared.setdefault("save", {})
         if every_n_train_steps is not None:
             save["every_steps"] = every_n_train_steps
@@ -347,7 +420,7 @@ class StateregCheckpoint(pl.Callback):
             # Saved after the last batch of an epoch, the loader is at that epoch's end, and
             # restoring it would give the next epoch no batch (Lightning does not iterate a
             # restored loader again): the next epoch starts from a fresh iterator instead.
-            self._new_epoch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+            self._new_epoch = _ended_an_epoch(trainer)
             if trainer.is_global_zero:
                 logger.info("resuming the fit from %s (global step %d)", self.restored.path,
                             self.restored.step)
@@ -367,11 +440,10 @@ class StateregCheckpoint(pl.Callback):
         # that draws its order from them replays it), then the loader's saved position,
         # then the step's generators; otherwise, the current state, kept for this epoch's
         # saves. The sampler's epoch is set first: DistributedSampler shuffles by it.
-        fetcher: Any = trainer.fit_loop._data_fetcher
+        fetcher = _data_fetcher(trainer)
         loader = self._loader.loader()
         generator = self._loader.generator()
-        progress: Any = trainer.fit_loop.epoch_progress.current  # processed: not annotated
-        epoch = self._epoch_taken = progress.processed
+        epoch = self._epoch_taken = _epoch_processed(trainer)
         if self.restored is None:
             self._epoch.take(self._rng, generator)
         elif self._new_epoch:
@@ -408,8 +480,7 @@ class StateregCheckpoint(pl.Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The epoch's iterator is made after this hook (Lightning's epoch loop), except for
         # the fit's first epoch, whose iterator on_train_start made.
-        progress: Any = trainer.fit_loop.epoch_progress.current  # processed: not annotated
-        if progress.processed != self._epoch_taken:
+        if _epoch_processed(trainer) != self._epoch_taken:
             assert self._loader is not None
             self._epoch.take(self._rng, self._loader.generator())
 

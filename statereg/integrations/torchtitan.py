@@ -22,6 +22,10 @@ waits for the last save.
 optimizer last stepped (a loop that calls it between micro-batches), it saves nothing that
 call, since the checkpoint would hold the data position past micro-batches whose gradients
 it does not hold (torchtitan's own loop calls it after the step, where this never applies).
+
+It touches no private name of torchtitan (it reads the `[checkpoint]` keys and an
+OptimizersContainer's `optimizers` list, both public) and uses statereg's public API, except
+`unwrap_module`, the rule by which the core names a wrapped model's keys.
 """
 
 from __future__ import annotations
@@ -36,16 +40,15 @@ import torch
 from torch import nn
 
 import statereg
-from statereg.engine.checkpoints import checkpoint_name, step_of
-from statereg.errors import (
+from statereg import CheckpointManager as _Manager
+from statereg import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    RegistrySpec,
     SpecError,
 )
 from statereg.integrations._common import GradientsInFlight, declaration_dict, default_async
-from statereg.manager import CheckpointManager as _Manager
-from statereg.schemas.spec import RegistrySpec
-from statereg.state.model import unwrap_module
+from statereg.state.model import unwrap_module  # beyond the public API: see the docstring
 
 logger = logging.getLogger(__name__)
 
@@ -516,13 +519,9 @@ class TitanCheckpointManager:
         if step == -1:
             return self.mgr.peek()
         try:
-            return self.mgr.peek(checkpoint_name(step))
-        except CheckpointNotFoundError:
-            steps = sorted(s for s in (step_of(u.rstrip("/").rpartition("/")[2])
-                                       for u in self.mgr.list()) if s is not None)
-            raise CheckpointNotFoundError(
-                f"checkpoint.load_step={step}: {self.url} has no committed checkpoint at that "
-                f"step; committed steps: {', '.join(map(str, steps)) or 'none'}") from None
+            return self.mgr.peek(step=step)
+        except CheckpointNotFoundError as exc:  # it names the committed steps
+            raise CheckpointNotFoundError(f"checkpoint.load_step={step}: {exc}") from None
 
     def _initial_load(self) -> bool:
         """Start from initial_load_path: a Hugging Face directory (initial_load_in_hf), a

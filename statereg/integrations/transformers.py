@@ -44,8 +44,10 @@ same data stream: the checkpoint records what decides it (batch size per device,
 accumulation, world size, dataset length, sampling strategy, drop_last, data seed) and a
 resume that changed any of them is refused with a CheckpointMismatchError naming it.
 
-Private Trainer methods overridden (their signatures are checked when this module is
-imported, so a transformers release that changed one fails at once, naming it):
+Private Trainer methods overridden (listed in the one block of transformers' private names
+below the imports, PRIVATE_NAMES: their signatures are checked when this module is imported,
+so a transformers release that changed one fails at once, naming it, and
+tests/integrations/test_private_contract.py checks them against the release CI pins):
 
 - `_save_checkpoint(model, trial)`: writes a statereg checkpoint instead of checkpoint-N.
 - `_load_from_checkpoint(resume_from_checkpoint, model=None)`: loads the statereg checkpoint.
@@ -63,7 +65,6 @@ SageMaker model parallelism; hyperparameter search saves with the Trainer's own 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import os
@@ -78,26 +79,32 @@ import transformers
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from statereg.declaration import load_spec
-from statereg.engine.checkpoints import step_of
-from statereg.engine.saver import SaveInfo
-from statereg.errors import (
+from statereg import (
+    CheckpointManager,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    RegistrySpec,
+    SaveInfo,
     SpecError,
     StateregError,
+    export_hf,
+    list_checkpoints,
+    load_spec,
 )
 from statereg.integrations._common import (
+    PrivateName,
     SpecSource,
+    check_private_names,
     declaration_dict,
     default_async,
     merge_components,
     section,
     set_once,
 )
-from statereg.interop import Export, export_hf
-from statereg.manager import CheckpointManager
-from statereg.schemas.spec import RegistrySpec
+
+# Beyond the public API (statereg/__init__.py): the type export_hf returns, and the core's
+# own DDP layout and generator capture (docs/integrations/index.md, "Private names").
+from statereg.interop import Export
 from statereg.state.ddp import DDPBucketLayout
 from statereg.state.rng import RNGAdapter
 
@@ -107,28 +114,27 @@ TESTED_TRANSFORMERS = "5.23.0"
 SUPPORTED_TRANSFORMERS = ">=5.23,<5.24"
 TRAINER_STATE_NAME = "trainer_state.json"  # what Trainer.train() reads from a resume directory
 
-# The private methods overridden below and the parameters they are called with.
-_OVERRIDDEN = {
-    "_save_checkpoint": ("self", "model", "trial"),
-    "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
-    "_load_rng_state": ("self", "checkpoint"),
-    "_load_best_model": ("self",),
-}
+# -- transformers' private names: the Trainer methods StateregMixin overrides ----------------
+# Each is listed once here with the parameters the Trainer calls it with, checked at import
+# (a release that renamed or changed one fails at once, naming it) and by
+# tests/integrations/test_private_contract.py against the release CI pins (constraints.txt).
+PRIVATE_NAMES = (
+    PrivateName(Trainer, "_save_checkpoint", "writes a statereg checkpoint instead",
+                parameters=("self", "model", "trial")),
+    PrivateName(Trainer, "_load_from_checkpoint", "loads the statereg checkpoint",
+                parameters=("self", "resume_from_checkpoint", "model")),
+    PrivateName(Trainer, "_load_rng_state", "applies its generators where the Trainer would",
+                parameters=("self", "checkpoint")),
+    PrivateName(Trainer, "_load_best_model", "load_best(include=['model'])",
+                parameters=("self",)),
+)
 
 
 def _check_trainer_api() -> None:
-    """Fail at import, naming the method, if this transformers changed what we override."""
-    for name, expected in _OVERRIDDEN.items():
-        method = getattr(Trainer, name, None)
-        got = None if method is None else tuple(inspect.signature(method).parameters)
-        if got != expected:
-            raise StateregError(
-                f"statereg.integrations.transformers overrides Trainer.{name}{expected[1:]}, "
-                f"but transformers {transformers.__version__} has "
-                f"{'no such method' if got is None else f'{name}{got[1:]}'}; this "
-                f"integration supports transformers {SUPPORTED_TRANSFORMERS} (install "
-                f"transformers=={TESTED_TRANSFORMERS})"
-            )
+    """Fail at import, naming the method, if this transformers changed what we override;
+    warn once on a release outside the supported range."""
+    check_private_names(__name__, "transformers", transformers.__version__,
+                        TESTED_TRANSFORMERS, PRIVATE_NAMES)
     major_minor = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     if major_minor != (5, 23):
         warnings.warn(
@@ -139,6 +145,7 @@ def _check_trainer_api() -> None:
 
 
 _check_trainer_api()
+# -- end of transformers' private names ----------------------------------------------------
 
 _RNG = RNGAdapter("rng")
 COMPONENTS: dict[str, dict[str, Any]] = {
@@ -244,7 +251,7 @@ def _data_stream(trainer: Any) -> dict[str, Any]:
     except TypeError:  # an IterableDataset without a length
         length = None
     return {"train_batch_size": None if args.auto_find_batch_size
-            else int(trainer._train_batch_size),
+            else int(args.train_batch_size),
             "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
             "world_size": int(args.world_size), "dataset_length": length,
             "train_sampling_strategy": _value(getattr(args, "train_sampling_strategy", None)),
@@ -411,10 +418,10 @@ class StateregMixin:
 
     def _statereg_url_of(self, step: int) -> str | None:
         """The URL of the committed checkpoint of `step`, if there is one."""
-        for url in self.statereg.list():
-            if step_of(url.rstrip("/").rsplit("/", 1)[-1]) == step:
-                return url
-        return None
+        self.statereg.wait()
+        storage = self.statereg_spec.storage
+        return next((info.path for info in list_checkpoints(storage.url, **storage.options)
+                     if info.step == step), None)
 
     # -- train() and resume ------------------------------------------------------------------
 

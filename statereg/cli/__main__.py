@@ -1,0 +1,7 @@
+"""`python -m statereg.cli`, the same as the `statereg` command."""
+
+import sys
+
+from statereg.cli.parser import main
+
+sys.exit(main())
