@@ -85,6 +85,7 @@ from statereg.integrations._common import (
     set_once,
 )
 from statereg.manager import CheckpointManager
+from statereg.process_state import process_wide
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.objects import DataloaderAdapter
 
@@ -369,6 +370,12 @@ def close(accelerator: Accelerator) -> None:
 def _close_all() -> None:
     for accelerator in list(_MANAGERS):
         close(accelerator)
+
+
+process_wide(__name__, "_MANAGERS", "the manager save_state built for each Accelerator; "
+             "cleared, each is closed (its save waited for)", clear=_close_all)
+process_wide(__name__, "_GRADIENTS", "the gradient hooks of each Accelerator's parameters: "
+             "forgotten, they would be hooked twice", kept=True)
 
 
 __all__ = ["at_step_boundary", "close", "live_objects", "load_state", "manager", "save_state",

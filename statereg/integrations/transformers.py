@@ -97,6 +97,7 @@ from statereg.integrations._common import (
 )
 from statereg.interop import Export, export_hf
 from statereg.manager import CheckpointManager
+from statereg.process_state import process_wide
 from statereg.schemas.spec import RegistrySpec
 from statereg.state.ddp import DDPBucketLayout
 from statereg.state.rng import RNGAdapter
@@ -600,6 +601,8 @@ class StateregTrainer(StateregMixin, Trainer):
 
 
 _DERIVED: dict[type, type] = {Trainer: StateregTrainer}
+process_wide(__name__, "_DERIVED", "one derived class per Trainer class: isinstance and pickling "
+             "see one class", kept=True)
 
 
 def with_statereg(trainer_cls: type[Trainer]) -> type[Trainer]:
