@@ -90,7 +90,7 @@ def process_wide(module: str, attribute: str, reason: str, *, kept: bool = False
     _ENTRIES[entry.name] = entry
 
 
-def process_state() -> list[ProcessWide]:
+def registered() -> list[ProcessWide]:
     """The registered process-wide state of the modules imported so far, by name."""
     return [_ENTRIES[name] for name in sorted(_ENTRIES)]
 
@@ -104,7 +104,7 @@ def clear_process_state() -> list[str]:
     process (fsspec's filesystem instances are among what is cleared). Everything cleared is
     rebuilt on first use: the cost is one cold save or load, never a different result."""
     cleared = []
-    for entry in process_state():
+    for entry in registered():
         if not entry.kept:
             entry.reset()
             cleared.append(entry.name)

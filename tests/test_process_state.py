@@ -126,7 +126,7 @@ def test_the_scan_finds_every_kind_of_module_level_cache():
 
 def test_no_module_level_cache_is_left_unregistered():
     _import_everything()
-    registered = {entry.name for entry in process_state.process_state()}
+    registered = {entry.name for entry in process_state.registered()}
 
     missing = [f"{module}.{name}" for module, path in _modules()
                for name in sorted(module_state(path.read_text()))
@@ -141,7 +141,7 @@ def test_no_module_level_cache_is_left_unregistered():
 def test_every_entry_is_live_state_with_a_reason_and_named_in_the_design():
     _import_everything()
     design = (REPO / "docs" / "design.md").read_text().split("## Process-wide state", 1)[1]
-    entries = process_state.process_state()
+    entries = process_state.registered()
 
     assert len(entries) >= 20
     for entry in entries:
@@ -168,7 +168,7 @@ def test_clearing_empties_the_caches_a_save_and_load_filled(make_spec, make_mode
     filled = {"load plans": reader._load_plans, "checked .metadata": metadata._checked_digests,
               "walks": torchsave._walks, "fsspec": type(memory.fs)._cache}
     assert all(filled.values()), filled
-    assert local._in_memory.cache_info().currsize and local._ALIGNED._free is not None
+    assert local._in_memory.cache_info().currsize
     backends = dict(registry._BACKENDS)
 
     cleared = statereg.clear_process_state()
@@ -177,7 +177,7 @@ def test_clearing_empties_the_caches_a_save_and_load_filled(make_spec, make_mode
     assert not local._in_memory.cache_info().currsize
     assert reader._load_plans is filled["load plans"]  # cleared in place, not replaced
     assert "statereg.dcp.reader._load_plans" in cleared
-    kept = {entry.name for entry in process_state.process_state() if entry.kept}
+    kept = {entry.name for entry in process_state.registered() if entry.kept}
     assert "statereg.engine.claims._ACTIVE" in kept and not kept & set(cleared)
     assert backends == registry._BACKENDS  # kept: what was registered stays
     # Everything is rebuilt on first use: the same checkpoint loads into fresh objects.

@@ -372,8 +372,9 @@ def _close_all() -> None:
         close(accelerator)
 
 
-process_wide(__name__, "_MANAGERS", "the manager save_state built for each Accelerator; "
-             "cleared, each is closed (its save waited for)", clear=_close_all)
+process_wide(__name__, "_MANAGERS", "the manager save_state built for each Accelerator, closed "
+             "by close(accelerator), which waits for its save: a forked worker has no such "
+             "thread to wait for", kept=True)
 process_wide(__name__, "_GRADIENTS", "the gradient hooks of each Accelerator's parameters: "
              "forgotten, they would be hooked twice", kept=True)
 
