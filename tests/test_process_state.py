@@ -153,7 +153,7 @@ def test_every_entry_is_live_state_with_a_reason_and_named_in_the_design():
 
 def test_clearing_empties_the_caches_a_save_and_load_filled(make_spec, make_model, tmp_path):
     from statereg.backends import local, registry
-    from statereg.dcp import metadata, reader, torchsave
+    from statereg.dcp import codec, metadata, reader, records, torchsave
 
     spec = make_spec("model", "optimizer", storage={"compression": "zstd"})
     model = make_model(seed=0)
@@ -166,15 +166,18 @@ def test_clearing_empties_the_caches_a_save_and_load_filled(make_spec, make_mode
     memory = registry.open_backend(f"memory://{tmp_path.name}")
     memory.write_bytes("probe", b"x")
     filled = {"load plans": reader._load_plans, "checked .metadata": metadata._checked_digests,
-              "walks": torchsave._walks, "fsspec": type(memory.fs)._cache}
+              "walks": torchsave._walks, "templates": records._templates,
+              "fsspec": type(memory.fs)._cache}
     assert all(filled.values()), filled
-    assert local._in_memory.cache_info().currsize
+    assert local._in_memory.cache_info().currsize and records._checked is True
+    assert codec._local.compressors  # this thread's zstd compressors
     backends = dict(registry._BACKENDS)
 
     cleared = statereg.clear_process_state()
 
     assert not any(filled.values()), filled
     assert not local._in_memory.cache_info().currsize
+    assert records._checked is None and not hasattr(codec._local, "compressors")  # asked anew
     assert reader._load_plans is filled["load plans"]  # cleared in place, not replaced
     assert "statereg.dcp.reader._load_plans" in cleared
     kept = {entry.name for entry in process_state.registered() if entry.kept}
