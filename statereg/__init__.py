@@ -47,6 +47,7 @@ _EXPORTS = {
     "CheckpointExistsError": "statereg.errors",
     "CheckpointInProgressError": "statereg.errors",
     "LoadOrderError": "statereg.errors",
+    "clear_process_state": "statereg.process_state",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     )
     from statereg.interop import export_hf, load_model_from
     from statereg.manager import CheckpointManager
+    from statereg.process_state import clear_process_state
     from statereg.schemas import ComponentSpec, Manifest, RegistrySpec, StorageSpec
 
 

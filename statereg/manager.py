@@ -28,6 +28,7 @@ from statereg.engine.checkpoints import (
 from statereg.engine.listing import CheckpointInfo
 from statereg.engine.load import LoadResult, load_checkpoint, select_components
 from statereg.engine.plan import RankPlan, check_live_sharing, compile_plan
+from statereg.engine.resume import CopySource, Rung, climb
 from statereg.engine.retention import best_checkpoints
 from statereg.engine.saver import SaveHandle, SaveInfo, Saver
 from statereg.engine.verify import VerifyMode
@@ -111,6 +112,54 @@ def _fallback_failed(backend: StorageBackend, tried: list[tuple[str, StateregErr
         "the damaged checkpoint, or load an older one by step with the components it holds "
         "(exclude=[...])"
     )
+
+
+class DurableCopies:
+    """storage.url's committed checkpoints, newest step first: the last source of a resume
+    (engine/resume.py). A damaged one is passed over for the next older intact one; one
+    deleted while loading, for the newest there now. An older one that cannot be used
+    either (damaged too, lacking a declared component, deleted meanwhile) ends the resume
+    with one error naming the newest one's damage first, then why each older one was not
+    used (docs/reliability.md, "When a load fails")."""
+
+    def __init__(self, mgr: CheckpointManager) -> None:
+        self._mgr = mgr
+        self._passed: list[tuple[str, StateregError]] = []  # damaged ones, newest first
+
+    def after(self, failed: Rung | None, error: StateregError | None) -> Rung | None:
+        if failed is None or isinstance(error, CheckpointDeletedError):
+            found = self._mgr._resolve(None, None)  # the newest now
+            return None if found is None else Rung(*found)
+        older = self._mgr._older_intact(failed.committed)
+        return None if older is None else Rung(failed.backend, older)
+
+    def skip(self, failed: Rung, error: StateregError) -> tuple[str, str]:
+        name, backend = failed.committed.name, failed.backend
+        if isinstance(error, CheckpointDeletedError):
+            if self._passed:  # the one we fell back to went: say so, after the damage
+                raise _fallback_failed(backend, [*self._passed, (name, error)]) from error
+            return f"{backend.display(name)} was deleted while loading", ""
+        if isinstance(error, CorruptCheckpointError):
+            self._passed.append((name, error))
+            return (f"{backend.display(name)} is damaged ({error})",
+                    f" (the run's save of step {failed.committed.step} re-verifies it and, "
+                    "damaged, replaces it)")
+        if not self._passed:
+            # The listing may have passed over damaged newer checkpoints already (a file
+            # missing or of another size): the caller needs their damage first.
+            self._passed = self._mgr.world.from_leader(self._mgr._damage_above, name)
+        if not self._passed:
+            raise error
+        # An older checkpoint we fell back to cannot be used (e.g. it lacks a component):
+        # the error the caller needs first is the newest one's damage.
+        raise _fallback_failed(backend, [*self._passed, (name, error)]) from error
+
+    def exhausted(self, failed: Rung, error: StateregError) -> None:
+        if isinstance(error, CheckpointDeletedError):
+            return  # none left since: a fresh start
+        if len(self._passed) == 1:
+            raise error
+        raise _fallback_failed(failed.backend, self._passed) from error
 
 
 class CheckpointManager:
@@ -331,7 +380,8 @@ class CheckpointManager:
         default; "full" also checks every file first; "off" checks only the manifest). Tensors
         stream into live memory, so a damaged item may fail the load after some components
         were overwritten: a resume (no path, no step) then loads the next older intact
-        checkpoint, which overwrites them all again; otherwise the error is raised and save()
+        copy, memory ones first with tiers (engine/resume.py, one warning per copy skipped),
+        which overwrites them all again; otherwise the error is raised and save()
         refuses until a load restores those components (docs/reliability.md).
 
         `storage_options`: fsspec options for a `path` outside this run's root (e.g. the
@@ -355,11 +405,16 @@ class CheckpointManager:
             exclude += chosen.exclude
             include = include or chosen.include
         self.wait()
-        if path is None and step is None and self._tiers is not None:
-            restored = self._tiers.resume(lambda backend, committed: self._load_committed(
-                backend, committed, include, exclude, strict, verify))
-            if restored is not None:
-                return restored
+
+        def load(backend: StorageBackend, committed: Committed) -> LoadResult:
+            return self._load_committed(backend, committed, include, exclude, strict, verify)
+
+        if path is None and step is None:  # a resume: the ladder, memory copies first
+            sources: list[CopySource] = [] if self._tiers is None else [self._tiers.copies()]
+            result = climb([*sources, DurableCopies(self)], load)
+            if result is None and self.world.rank == 0:
+                logger.info("no checkpoint under %s: starting fresh", self._backend.url)
+            return result
         try:
             resolved = self._resolve(path, step, storage_options)
         except CheckpointNotFoundError:
@@ -370,51 +425,8 @@ class CheckpointManager:
             return load_foreign(*foreign, kinds, self._adapters, include, exclude,
                                 self.world, strict)
         if resolved is None:
-            if self.world.rank == 0:
-                logger.info("no checkpoint under %s: starting fresh", self._backend.url)
             return None
-        backend, committed = resolved
-        # A resume's fallbacks so far, newest first: (checkpoint, why it was not used).
-        passed: list[tuple[str, StateregError]] = []
-        while True:
-            try:
-                return self._load_committed(backend, committed, include, exclude, strict,
-                                            verify)
-            except CheckpointDeletedError as exc:
-                if path is not None or step is not None:
-                    raise  # the caller named this checkpoint: say it is gone
-                if passed:  # the one we fell back to went: say so, after the damage
-                    raise _fallback_failed(backend, [*passed, (committed.name, exc)]) from exc
-                # A resume: the newest checkpoint was retired under us; take the newest now.
-                logger.warning("%s was deleted while loading; loading the newest checkpoint "
-                               "now", backend.display(committed.name))
-                return self.load(include=include, exclude=exclude, strict=strict,
-                                 verify=verify)
-            except CorruptCheckpointError as exc:
-                if path is not None or step is not None:
-                    raise  # the caller named this checkpoint: it is damaged
-                passed.append((committed.name, exc))
-                older = self._older_intact(committed)
-                if older is None:
-                    if len(passed) == 1:
-                        raise
-                    raise _fallback_failed(backend, passed) from exc
-                # Loads the same components, so it overwrites whatever the failed one touched.
-                logger.warning("%s is damaged (%s); resuming from %s instead (the run's save "
-                               "of step %d re-verifies it and, damaged, replaces it)",
-                               backend.display(committed.name), exc,
-                               backend.display(older.name), committed.step)
-                committed = older
-            except StateregError as exc:
-                if not passed and (path is None and step is None):
-                    # The listing may have passed over damaged newer checkpoints already (a
-                    # file missing or of another size): the caller needs their damage first.
-                    passed = self.world.from_leader(self._damage_above, committed.name)
-                if not passed:
-                    raise
-                # An older checkpoint we fell back to cannot be used (e.g. it lacks a
-                # component): the error the caller needs first is the newest one's damage.
-                raise _fallback_failed(backend, [*passed, (committed.name, exc)]) from exc
+        return load(*resolved)  # the caller named this checkpoint: its error is raised
 
     def _load_committed(self, backend: StorageBackend, committed: Committed,
                         include: list[str] | None, exclude: list[str], strict: bool,

@@ -36,6 +36,7 @@ from statereg.backends.checksum import (
     new_hasher,
 )
 from statereg.errors import SpecError, StorageError
+from statereg.process_state import process_wide
 
 # Set while a caller opens a file it will not read back soon (compressed data: its load is
 # bound by decoding, not reading): a store with a page cache may write it around the cache
@@ -64,6 +65,11 @@ logger = logging.getLogger(__name__)
 # the store refused the second create, as it must). One probe per root, one warning per root.
 _probed_roots: dict[str, str | None] = {}
 _probe_lock = threading.Lock()
+process_wide(__name__, "_probed_roots", "exclusive creates are probed (two objects written, then "
+             "deleted) and warned about once per root")
+process_wide(__name__, "fsspec instance caches", "fsspec keeps a filesystem per class and "
+             "options; cleared, the next open reads the credentials in the environment again",
+             clear=lambda: [fs.clear_instance_cache() for fs in fsspec.registry.values()])
 
 
 def _secret_values(options: Any, key: str = "") -> set[str]:

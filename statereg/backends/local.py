@@ -43,6 +43,7 @@ from statereg.backends.base import (
 )
 from statereg.backends.checksum import HashingWriter, WrittenFile
 from statereg.errors import CorruptCheckpointError, StorageError
+from statereg.process_state import process_wide
 
 # Large buffers keep the number of write syscalls low for multi-GB tensor files.
 _BUFFER = 8 * 1024 * 1024
@@ -266,6 +267,8 @@ class _AlignedBuffers:
 
 
 _ALIGNED = _AlignedBuffers()
+process_wide(__name__, "_ALIGNED", "O_DIRECT buffers reused from file to file: a fresh one faults "
+             "in every page", clear=lambda: _ALIGNED._free.clear())
 
 
 class _DirectFile:
@@ -462,6 +465,10 @@ class _CacheStat(ctypes.Structure):
 # the same on every architecture (the generic syscall table).
 _CACHESTAT = 451
 _cachestat_works = sys.platform == "linux"
+process_wide(__name__, "_cachestat_works", "whether the kernel has cachestat(2), learnt once")
+process_wide(__name__, "_sync_file_range", "libc's sync_file_range bound through ctypes once")
+process_wide(__name__, "_in_memory", "whether a root is on tmpfs: /proc/mounts read once a root")
+process_wide(__name__, "_libc", "libc bound through ctypes once (mmap, mincore, syscall)")
 
 
 def _cached_pages(libc: Any, fd: int, first: int, pages: int) -> int | None:

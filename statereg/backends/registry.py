@@ -16,6 +16,7 @@ import fsspec
 from statereg.backends.base import StorageBackend
 from statereg.backends.local import READ_CACHE_MODES, LocalBackend, ReadCache
 from statereg.errors import SpecError
+from statereg.process_state import process_wide
 
 ENTRY_POINT_GROUP = "statereg.backends"
 
@@ -30,6 +31,8 @@ KNOWN_BACKENDS: dict[str, str] = {
 }
 
 _BACKENDS: dict[str, type[StorageBackend]] = {}
+process_wide(__name__, "_BACKENDS", "register_backend is process-wide, as fsspec's registry is; "
+             "clearing would unregister what a program or package registered", kept=True)
 
 
 def register_backend(backend: type[StorageBackend]) -> type[StorageBackend]:
@@ -48,6 +51,8 @@ def _load_known(scheme: str) -> None:
 
 
 _entry_points_loaded = False
+process_wide(__name__, "_entry_points_loaded", "entry points register into _BACKENDS once, "
+             "and stay with it", kept=True)
 
 
 def _load_entry_points() -> None:

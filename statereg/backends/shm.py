@@ -36,6 +36,7 @@ from statereg.backends.checksum import HashingWriter, WrittenFile
 from statereg.backends.local import LocalBackend
 from statereg.backends.mappings import MappedFile, Mappings
 from statereg.errors import SpecError, StorageError
+from statereg.process_state import process_wide
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ def used_bytes(path: str) -> int:
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Shared-memory folders already checked for their filesystem (one warning each).
 _FILESYSTEMS_SEEN: set[str] = set()
+process_wide(__name__, "_FILESYSTEMS_SEEN", "one warning per memory folder not on tmpfs")
 
 
 def private_dir() -> str:

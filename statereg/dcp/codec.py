@@ -39,6 +39,7 @@ from statereg.dcp.torch_private import (
     StreamTransformExtension,
 )
 from statereg.errors import CorruptCheckpointError, StateregError
+from statereg.process_state import process_wide
 
 ZSTD_DESCRIPTOR = "stream.zstd/1"
 PLANES_NAME = "statereg.planes"
@@ -100,6 +101,10 @@ class CompressionSettings:
 _local = threading.local()
 # Encoding is CPU-bound: more encoders than cores only contend (with uploads, with the job).
 _CODEC_SLOTS = threading.BoundedSemaphore(os.cpu_count() or 1)
+process_wide(__name__, "_local", "each thread keeps its zstd compressors and plane buffers "
+             "(a ZstdCompressor is not thread-safe, and costly to make)")
+process_wide(__name__, "_CODEC_SLOTS", "encoders at once in the process, over every save: no "
+             "more than the cores; a semaphore in use", kept=True)
 
 
 def _compressor(key: tuple[Any, ...], make: Callable[[], zstandard.ZstdCompressor],

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from statereg.errors import CorruptCheckpointError
+from statereg.process_state import process_wide
 
 # The attribute of DCP's Metadata holding each item's xxh3_64 (of its stored bytes), keyed by
 # the same MetadataIndex objects as `storage_data` (pickle stores each key once). Plain DCP
@@ -78,6 +79,8 @@ def metadata_digest(data: bytes) -> bytes:
 # field walk (~2 ms for 600 tensors).
 _checked_digests: dict[bytes, None] = {}
 _CHECKED_KEPT = 256
+process_wide(__name__, "_checked_digests", ".metadata bytes whose fields were checked: a later "
+             "load of them skips the walk")
 
 
 def load_dcp_metadata(data: bytes, source: str, digest: bytes | None = None) -> Metadata:
@@ -169,6 +172,7 @@ def item_checksums(metadata: Metadata) -> dict[MetadataIndex, int]:
 
 
 _DESCRIPTORS: dict[tuple[str, ...], tuple[str, ...]] = {}
+process_wide(__name__, "_DESCRIPTORS", "one tuple per descriptor list, so pickle writes it once")
 
 
 def shared_descriptors(descriptors: Sequence[str]) -> tuple[str, ...] | None:

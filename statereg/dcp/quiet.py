@@ -16,11 +16,16 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from statereg.process_state import process_wide
+
 _MESSAGE = "torch.distributed is disabled, unavailable or uninitialized"
 _MODULE = r"torch\.distributed\.checkpoint"
 _lock = threading.Lock()
 _running = 0
 _entry: tuple | None = None
+process_wide(__name__, "_running", "statereg DCP calls running now: the warning filter goes with "
+             "the last", kept=True)
+process_wide(__name__, "_entry", "the warning filter installed while they run", kept=True)
 
 
 @contextmanager

@@ -40,6 +40,7 @@ from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reuse import item_key
 from statereg.dcp.torch_private import StorageInfo
 from statereg.errors import CorruptCheckpointError
+from statereg.process_state import process_wide
 
 # What torch.save adds around a tensor's bytes (zip headers, the pickled tensor record).
 _TORCH_SAVE_OVERHEAD = 64 * 1024
@@ -302,6 +303,8 @@ def _check_item(where: str, expected: int, actual: int) -> None:
 # the same targets (DCP's planning takes ~20 us a tensor).
 _load_plans: dict[Hashable, LoadPlan] = {}
 _LOAD_PLANS_KEPT = 16
+process_wide(__name__, "_load_plans", "DCP's local load plan, kept for a later load of the same "
+             "checkpoint into the same targets")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

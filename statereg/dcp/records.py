@@ -47,6 +47,7 @@ import torch
 from statereg.dcp import torch_private
 from statereg.dcp.torchsave import RecordWindow
 from statereg.errors import StateregError
+from statereg.process_state import process_wide
 
 try:
     from isal.isal_zlib import crc32
@@ -385,6 +386,8 @@ def _entries(record: bytes) -> list[tuple[str, int, int, int]]:
 
 _templates: dict[tuple[Any, ...], _Template | None] = {}
 _NOT_MADE = object()
+process_wide(__name__, "_templates", "one record template per tensor layout, made from its first "
+             "record")
 
 
 def _template(tensor: torch.Tensor, nbytes: int, crcs: bool) -> _Template | None:
@@ -431,6 +434,8 @@ def _save_crc_records(tensor: torch.Tensor, out: Any, sliced: bool, crcs: bool =
 
 _checked: bool | None = None
 _check_lock = threading.Lock()
+process_wide(__name__, "_checked", "whether this torch's zip writer writes torch.save's bytes, "
+             "probed once")
 
 
 def writer_checked() -> bool:
@@ -447,6 +452,8 @@ def writer_checked() -> bool:
 
 
 _templates_usable: bool | None = None
+process_wide(__name__, "_templates_usable", "whether templates write torch.save's bytes, "
+             "probed once")
 
 
 def templates_checked() -> bool:

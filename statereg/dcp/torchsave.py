@@ -36,6 +36,7 @@ import torch
 
 from statereg.dcp.device_reads import DeviceLanding
 from statereg.errors import CorruptCheckpointError
+from statereg.process_state import process_wide
 
 _STORAGE_DTYPES = {
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32,
@@ -215,6 +216,7 @@ _WALK_ERRORS = (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeErr
 # writes them alike) are walked once, then compared.
 _walks: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, int, int]] = {}
 _WALKS_KEPT = 4096
+process_wide(__name__, "_walks", "each tensor layout's record head is walked once, then compared")
 
 
 def _walked(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:

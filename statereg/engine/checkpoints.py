@@ -24,6 +24,7 @@ from statereg.errors import (
     ManifestError,
     StorageError,
 )
+from statereg.process_state import process_wide
 from statereg.schemas.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ _REFUSALS = frozenset({errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP, er
                        errno.ENAMETOOLONG})
 _named: set[tuple[str, str]] = set()  # (entry URL, why) already warned about
 _named_lock = threading.Lock()
+process_wide(__name__, "_named", "one warning per unreadable entry of a root, not one per listing")
 
 
 def refused(exc: BaseException) -> bool:

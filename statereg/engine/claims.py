@@ -50,6 +50,7 @@ from statereg.errors import (
     StateregError,
     StorageError,
 )
+from statereg.process_state import process_wide
 from statereg.schemas.manifest import MANIFEST_NAME, WRITER_DIR_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -297,6 +298,10 @@ class Claim:
 
 _ACTIVE: dict[str, Claim] = {}  # token -> claim, for claims of this process
 _SCOPES = threading.local()
+process_wide(__name__, "_ACTIVE", "the claims this process holds, whoever took them: two savers "
+             "see each other's as live, and atexit releases them (docs/design.md)", kept=True)
+process_wide(__name__, "_SCOPES", "each thread's open claim scopes, released on leaving",
+             kept=True)
 
 
 @contextlib.contextmanager

@@ -92,6 +92,7 @@ from statereg.integrations._common import (
     section,
     set_once,
 )
+from statereg.process_state import process_wide  # beyond the public API: the registry
 from statereg.state.objects import DataloaderAdapter  # beyond the public API: the core adapter
 
 logger = logging.getLogger(__name__)
@@ -430,6 +431,13 @@ def close(accelerator: Accelerator) -> None:
 def _close_all() -> None:
     for accelerator in list(_MANAGERS):
         close(accelerator)
+
+
+process_wide(__name__, "_MANAGERS", "the manager save_state built for each Accelerator, closed "
+             "by close(accelerator), which waits for its save: a forked worker has no such "
+             "thread to wait for", kept=True)
+process_wide(__name__, "_GRADIENTS", "the gradient hooks of each Accelerator's parameters: "
+             "forgotten, they would be hooked twice", kept=True)
 
 
 __all__ = ["at_step_boundary", "close", "live_objects", "load_state", "manager", "save_state",

@@ -102,9 +102,11 @@ from statereg.integrations._common import (
     set_once,
 )
 
-# Beyond the public API (statereg/__init__.py): the type export_hf returns, and the core's
-# own DDP layout and generator capture (docs/integrations/index.md, "Private names").
+# Beyond the public API (statereg/__init__.py): the type export_hf returns, the registry of
+# process-wide state, and the core's own DDP layout and generator capture
+# (docs/integrations/index.md, "Private names").
 from statereg.interop import Export
+from statereg.process_state import process_wide
 from statereg.state.ddp import DDPBucketLayout
 from statereg.state.rng import RNGAdapter
 
@@ -607,6 +609,8 @@ class StateregTrainer(StateregMixin, Trainer):
 
 
 _DERIVED: dict[type, type] = {Trainer: StateregTrainer}
+process_wide(__name__, "_DERIVED", "one derived class per Trainer class: isinstance and pickling "
+             "see one class", kept=True)
 
 
 def with_statereg(trainer_cls: type[Trainer]) -> type[Trainer]:

@@ -34,8 +34,8 @@ from typing import Any
 from statereg.backends.base import StorageBackend
 from statereg.backends.shm import SharedMemoryBackend, node_name
 from statereg.engine.checkpoints import Committed
-from statereg.engine.load import LoadResult
 from statereg.engine.plan import RankPlan, compile_plan
+from statereg.engine.resume import Rung
 from statereg.engine.saver import SaveHandle, Saver
 from statereg.engine.world import World, caught
 from statereg.errors import SpecError, StateregError, StorageError
@@ -83,6 +83,34 @@ def rank_bytes(spec: RegistrySpec, world: World, adapters: dict[str, Any]) -> li
             sizes[name] = [(key, t.numel() * t.element_size()) for key, t in tensors.items()]
     plan = compile_plan(spec, world.layout, None, sizes)
     return world.all_gather(sum(t.nbytes or 0 for t in plan.tasks if t.takes_part))
+
+
+class MemoryCopies:
+    """The memory tier's copies of the run's checkpoints, nearest first: the first source of
+    a resume (engine/resume.py). A memory copy is a cache of storage.url: one that is
+    damaged, deleted meanwhile, or whose reads fail (a peer node that stalled or lied: a
+    StorageError naming it; other ranks get the agreed error) is passed over for the next
+    nearest, then for storage.url. A SpecError is the request's own fault: every copy would
+    refuse it."""
+
+    def __init__(self, nearest: Callable[[frozenset[int]],
+                                         tuple[StorageBackend, Committed] | None]) -> None:
+        self._nearest = nearest
+        self._unusable: set[int] = set()  # steps whose load failed
+
+    def after(self, failed: Rung | None, error: StateregError | None) -> Rung | None:
+        if failed is not None:
+            self._unusable.add(failed.committed.step)
+        found = self._nearest(frozenset(self._unusable))
+        return None if found is None else Rung(*found)
+
+    def skip(self, failed: Rung, error: StateregError) -> tuple[str, str]:
+        if isinstance(error, SpecError):
+            raise error
+        return f"memory copy {failed.display()} unusable ({error})", ""
+
+    def exhausted(self, failed: Rung, error: StateregError) -> None:
+        return  # storage.url holds nothing either: a fresh start
 
 
 class TierEngine:
@@ -338,26 +366,9 @@ class TierEngine:
         tiers/restore.py. Steps in `unusable` (a load of them failed) are passed over."""
         return self._restorer.nearest(unusable, before=self._retention.join)
 
-    def resume(self, load: Callable[[StorageBackend, Committed], LoadResult],
-               ) -> LoadResult | None:
-        """Resume from the nearest usable memory copy (collective): `load` each in turn,
-        nearest first, and return the first that loads; None when none does, and the caller
-        resumes from storage.url. A memory copy is a cache of storage.url: one that is
-        damaged, deleted meanwhile, or whose reads fail (a peer node that stalled or lied: a
-        StorageError naming it; other ranks get the agreed error) is passed over. The next
-        copy loads the same components, so it overwrites whatever a failed one touched. A
-        SpecError is the request's own fault: every copy would refuse it."""
-        unusable: set[int] = set()
-        while (nearest := self.nearest(frozenset(unusable))) is not None:
-            try:
-                return load(*nearest)
-            except SpecError:
-                raise
-            except StateregError as exc:
-                logger.warning("memory copy %s unusable (%s); trying the next nearest copy",
-                               nearest[0].display(nearest[1].name), exc)
-                unusable.add(nearest[1].manifest.step)
-        return None
+    def copies(self) -> MemoryCopies:
+        """The memory copies a resume tries first, nearest first (engine/resume.py)."""
+        return MemoryCopies(self.nearest)
 
     # -- on a signal --------------------------------------------------------------------
 

@@ -92,7 +92,7 @@ class Restorer:
             folders = {self.nodes.of_rank[r]: inv for r, inv in enumerate(everyone)
                        if inv is not None}
             choice, holders = self._complete(folders)
-            decided = (self._check_against_durable(choice, folders), holders)
+            decided = (self._check_against_durable(choice, folders, unusable), holders)
         choice, holders = self.world.broadcast(decided)
         if choice is None:
             return None
@@ -138,13 +138,16 @@ class Restorer:
         base = open_backend(self.run_url)
         return sorted(n for n in base.list_dir("") if n != mine and n.startswith("ws"))
 
-    def _check_against_durable(self, choice: int | None,
-                               folders: dict[int, Any]) -> int | None:
+    def _check_against_durable(self, choice: int | None, folders: dict[int, Any],
+                               unusable: frozenset[int]) -> int | None:
         """Rank 0: keep the memory step unless the durable tier has a newer committed one;
-        say in one line why memory is not used."""
+        say in one line why memory is not used (unless the resume passed over every copy
+        it held: it said why for each, engine/resume.py)."""
         if choice is None:
             held = {step for inv in folders.values() for step in inv}
             others = [] if held else self._other_identities()
+            if not held and unusable:
+                return None
             if held:
                 why = f"no step is complete across the nodes' folders (newest: {max(held)})"
             elif others:

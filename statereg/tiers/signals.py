@@ -43,6 +43,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from statereg.errors import SpecError
+from statereg.process_state import process_wide
 
 if TYPE_CHECKING:
     from statereg.engine.saver import Saver
@@ -60,6 +61,8 @@ _WORD_LINGER_S = 0.5  # rank 0 serves its word this long on several nodes (25 po
 # The write ends of the wakeup pipes of this process's guards: a child forked from the main
 # thread (a DataLoader worker) must not write its own signals into its parent's pipe.
 _WAKE_FDS: set[int] = set()
+process_wide(__name__, "_WAKE_FDS", "the wakeup pipes of the live signal guards; a forked child "
+             "drops them itself", kept=True)
 
 
 def _after_fork_in_child() -> None:

@@ -743,6 +743,37 @@ def test_a_memory_copy_whose_reads_fail_falls_back_to_the_durable_tier(
     assert_same_bits(fresh.tensors(), trained(8).tensors())
 
 
+def test_one_ladder_walks_damaged_memory_then_damaged_durable_copies_to_the_newest_intact(
+        tmp_path: Path, caplog: Any) -> None:
+    # Memory holds steps 8 and 10, storage.url steps 4 and 8; all but storage.url's step 4
+    # are damaged. One resume walks them newest first across both tiers (engine/resume.py)
+    # and says, one line per copy skipped, why and which copy it resumes from next.
+    durable = tmp_path / "durable"
+    spec = tiered(str(durable))
+    mgr = run(spec, 11)
+    memory_root = mgr._tiers.memory.root
+    mgr.close()
+    for folder in (Path(memory_root, "step_00000010"), Path(memory_root, "step_00000008"),
+                   durable / "step_00000008"):
+        flip_middle_byte(next((folder / "model").glob("*.distcp")), 0x10)
+    fresh = Trainee()
+    with caplog.at_level(logging.WARNING, logger="statereg"):
+        result = fresh.manager(spec).load()
+
+    assert result.step == 4 and result.path == f"{durable}/step_00000004"
+    assert_same_bits(fresh.tensors(), trained(4).tensors())
+    skips = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(skips) == 3, skips
+    memory = "shm://run7/" + Path(memory_root).name
+    walked = [(m.split(" ", 3)[2] if m.startswith("memory copy") else m.split(" ", 1)[0],
+               m.split("; resuming from ", 1)[1].split(" ", 1)[0]) for m in skips]
+    assert walked == [(f"{memory}/step_00000010", f"{memory}/step_00000008"),
+                      (f"{memory}/step_00000008", f"{durable}/step_00000008"),
+                      (f"{durable}/step_00000008", f"{durable}/step_00000004")]
+    assert "unusable (" in skips[0] and "unusable (" in skips[1]
+    assert "is damaged (" in skips[2] and "save of step 8 re-verifies it" in skips[2]
+
+
 def test_a_damaged_newest_memory_copy_falls_back_to_the_older_one_and_is_replaced(
         tmp_path: Path, caplog: Any) -> None:
     spec = tiered(str(tmp_path / "durable"), durable={"every": 100})  # memory only
