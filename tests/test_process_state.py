@@ -86,7 +86,7 @@ def _modules() -> list[tuple[str, Path]]:
 
 def _import_everything() -> None:
     for info in pkgutil.walk_packages(statereg.__path__, "statereg."):
-        if info.name != "statereg.__main__":
+        if not info.name.endswith(".__main__"):  # those run the CLI
             importlib.import_module(info.name)
 
 
