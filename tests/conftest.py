@@ -149,6 +149,35 @@ def train_step() -> Callable[..., torch.Tensor]:
 # -- storage servers: subprocesses on free 127.0.0.1 ports, stopped by PID ---------------
 
 
+@pytest.fixture
+def plain_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$STATEREG_PLAIN_TORCH_SAVE=1, and statereg's own torch.save record code made to fail
+    wherever it would still run: the test proves the switch bypasses all of it."""
+    from statereg.dcp.torchsave import crc_stream, crcs, read, templates
+
+    monkeypatch.setenv("STATEREG_PLAIN_TORCH_SAVE", "1")
+
+    def bypassed(*args: object, **kwargs: object) -> None:
+        raise AssertionError("statereg's record code ran under STATEREG_PLAIN_TORCH_SAVE=1")
+
+    for module, name in [(crc_stream, "save_crc_records"), (templates, "template"),
+                         (crcs, "_add_crcs"), (read, "_read_into"), (read, "_walked")]:
+        monkeypatch.setattr(module, name, bypassed)
+
+
+@pytest.fixture(params=["statereg records", "plain torch.save"])
+def record_code(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Runs a test both ways: through statereg's own torch.save record code, and with
+    $STATEREG_PLAIN_TORCH_SAVE=1 (`plain_torch_save`: none of that code may run). True when
+    plain."""
+    plain = request.param == "plain torch.save"
+    if plain:
+        request.getfixturevalue("plain_torch_save")
+    else:
+        monkeypatch.delenv("STATEREG_PLAIN_TORCH_SAVE", raising=False)
+    return plain
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cloud_environment() -> Iterator[None]:
     """No ambient credentials, profiles, regions or emulator hosts leak into the tests."""

@@ -81,8 +81,8 @@ class BackendWriter(FileSystemWriter):
         # bound by decoding, and their save by the CPU the cache's copy would take.
         self.fs = BackendFileSystem(backend, recorder, cached=compression is None)
         self.path = path
-        # zip CRC-32s in tensor records (torchsave/crc_stream.py): left out only where the store does not
-        # want them and the records are stored as they are (a drain then adds them: a
+        # zip CRC-32s in tensor records (torchsave/crc_stream.py): left out only where the
+        # store does not want them and the records are stored as they are (a drain adds them: a
         # compressed item would have to be decoded for that, and its codec's CPU dwarfs them).
         self.crcs = backend.record_crcs or compression is not None
         self.compressor = CompressingTransforms(compression) if compression is not None else None

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 import zipfile
 
 import pytest
@@ -17,7 +18,7 @@ import xxhash
 
 from statereg.backends.local import available_memory
 from statereg.dcp import torch_private, torchsave
-from statereg.dcp.torchsave import crc_stream, layout, templates
+from statereg.dcp.torchsave import crc_stream, crcs, layout, templates
 from statereg.errors import StateregError
 
 
@@ -107,11 +108,13 @@ def test_records_without_crcs_are_torch_saves_with_its_crc_option_off(name, path
 
 @pytest.mark.parametrize("written", ["without CRC-32s", "with CRC-32s"])
 @pytest.mark.parametrize("name", list(TENSORS))
-def test_adding_crcs_to_a_record_gives_torch_saves_bytes(name, written):
+def test_adding_crcs_to_a_record_gives_torch_saves_bytes(name, written, record_code):
     # What a drain from memory does to each tensor record (engine/transfer.py): the record
     # read in place (other bytes around it), every byte of it through the hasher, in order.
+    # Through statereg's own CRC-32s, and (`record_code`) through torch.load and torch.save.
     tensor = TENSORS[name]()
-    record = record_bytes(tensor, crcs=written == "with CRC-32s")
+    record = (torch_save_bytes(tensor) if written == "with CRC-32s"
+              else torch_save_bytes_without_crcs(tensor))
     stream = io.BytesIO(b"before" + record + b"after")
     out, read = io.BytesIO(), xxhash.xxh3_64()
     torchsave.add_crcs(stream, len(b"before"), len(record), out, read)
@@ -151,7 +154,8 @@ def test_the_template_probe_covers_records_without_crcs(monkeypatch):
     monkeypatch.setattr(templates, "_templates_usable", None)
     monkeypatch.setattr(templates, "_templates", {})
     monkeypatch.setattr(templates.Template, "write", crc_less_differs)
-    assert not templates.templates_checked()
+    with pytest.warns(RuntimeWarning, match="records are written without templates"):
+        assert not templates.templates_checked()
     tensor = torch.randn(9, 9)
     assert record_bytes(tensor, crcs=False) == torch_save_bytes_without_crcs(tensor)
 
@@ -176,7 +180,7 @@ def test_a_process_wide_crc_switch_is_neither_needed_nor_changed():
     assert ours == torch_save_bytes(tensor)
 
 
-def test_records_written_from_many_threads_at_once_are_all_right():
+def test_records_written_from_many_threads_at_once_are_all_right(record_code):
     tensors = [torch.randn(5000 + i % 2) for i in range(16)]  # two templates, eight uses
     results: dict[int, bytes] = {}
 
@@ -248,7 +252,8 @@ def test_a_torch_whose_records_hold_more_data_dependent_bytes_gets_no_templates(
     monkeypatch.setattr(templates, "_templates_usable", None)
     monkeypatch.setattr(templates, "_templates", {})
     monkeypatch.setattr(templates.Template, "write", other_bytes)
-    assert not templates.templates_checked()
+    with pytest.warns(RuntimeWarning, match="records are written without templates"):
+        assert not templates.templates_checked()
     tensors = [torch.randn(7, 7), torch.randn(7, 7)]
     assert [record_bytes(t) for t in tensors] == [torch_save_bytes(t) for t in tensors]
     assert templates._templates == {}
@@ -280,7 +285,8 @@ def test_a_torch_whose_writer_differs_gets_torch_save_itself(monkeypatch, change
     else:  # the writer records drives aligns storages otherwise than torch.save's
         monkeypatch.setattr(torch_private, "zip_writer_without_crc",
                             lambda buffer: torch._C.PyTorchFileWriter(buffer, False, 4096))
-    assert not crc_stream.writer_checked()
+    with pytest.warns(RuntimeWarning, match="every record is written by torch.save itself"):
+        assert not crc_stream.writer_checked()
 
     def refused(*args):
         raise AssertionError("the CRC-less writer ran after the probe failed")
@@ -310,7 +316,7 @@ class FailingSink(io.RawIOBase):
 
 
 @pytest.mark.parametrize("sliced", [True, False], ids=["sliced", "whole"])
-def test_a_failing_stream_raises_its_error_and_the_next_record_is_whole(sliced):
+def test_a_failing_stream_raises_its_error_and_the_next_record_is_whole(sliced, record_code):
     # torch's writer, dropped unfinished, would write its end of file from a destructor: a
     # second error there aborts the process. The error is the stream's, and nothing breaks.
     tensor = torch.randn(1 << 18)
@@ -408,8 +414,29 @@ def test_a_process_that_turned_crcs_off_before_its_first_save_keeps_torch_save(m
     monkeypatch.setattr(crc_stream, "_checked", None)
     torch.serialization.set_crc32_options(False)
     try:
-        assert not crc_stream.writer_checked()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # what the process asked for: nothing to warn of
+            assert not crc_stream.writer_checked()
         tensor = torch.randn(300)
         assert record_bytes(tensor) == torch_save_bytes(tensor)
     finally:
         torch.serialization.set_crc32_options(True)
+
+
+def test_this_torch_passes_the_add_crcs_probe():
+    # Otherwise every drain from memory pays torch.load and torch.save for every record.
+    assert crcs.crcs_checked()
+
+
+def test_a_torch_whose_serialization_id_folds_otherwise_gets_crcs_from_torch(monkeypatch):
+    # A torch that forms the id's second half another way: the probe notices, warns once,
+    # and every record is then torch.load'ed and torch.save'd, torch.save's bytes still.
+    monkeypatch.setattr(crcs, "_crcs_usable", None)
+    monkeypatch.setattr(crcs, "hash_combine", lambda seed, value: seed)
+    with pytest.warns(RuntimeWarning, match="CRC-32s are added by torch.load and torch.save"):
+        assert not crcs.crcs_checked()
+    tensor = torch.randn(300)
+    record = torch_save_bytes_without_crcs(tensor)
+    out = io.BytesIO()
+    torchsave.add_crcs(io.BytesIO(record), 0, len(record), out, xxhash.xxh3_64())
+    assert out.getvalue() == torch_save_bytes(tensor)

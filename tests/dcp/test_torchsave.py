@@ -168,7 +168,8 @@ def test_a_head_the_walk_cannot_follow_is_read_through_the_central_directory():
     assert torch.equal(target, tensor)
 
 
-def test_statereg_records_pass_zip_integrity_checks_and_equal_torch_save(tmp_path):
+def test_statereg_records_pass_zip_integrity_checks_and_equal_torch_save(tmp_path,
+                                                                          record_code):
     # docs/compatibility.md: each tensor item of a .distcp file is the torch.save zip of that
     # tensor, byte for byte, CRC-32s included, so standard zip tools find nothing wrong.
     import torch.distributed.checkpoint as dcp
@@ -256,3 +257,27 @@ def test_records_without_crcs_are_read(reader: str) -> None:
         loaded = torch.empty_like(tensor)
         assert torchsave.read_into(buffer, 0, len(data), loaded)
     assert torch.equal(loaded.view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_this_torch_passes_the_read_probe():
+    # Otherwise every load goes through torch.load and a copy (still the same values).
+    assert read.reads_checked()
+
+
+def test_a_torch_whose_records_the_walk_misreads_is_read_by_torch_load(monkeypatch):
+    # A torch that lays a record out otherwise, where the walk still finds a payload: the
+    # probe compares with torch.load, warns once, and every record goes to torch.load.
+    real = read._walked
+
+    def shifted(head, dtype, shape):
+        start, nbytes = real(head, dtype, shape)
+        return start + 4, nbytes
+
+    monkeypatch.setattr(read, "_reads_usable", None)
+    monkeypatch.setattr(read, "_walked", shifted)
+    with pytest.warns(RuntimeWarning, match="every record is read by torch.load"):
+        assert not read.reads_checked()
+    tensor = torch.randn(300)
+    stream, offset, length = record(tensor)
+    assert not torchsave.read_into(stream, offset, length, torch.zeros(300))
+    assert torch.equal(torchsave.load(stream, offset, length, "record"), tensor)

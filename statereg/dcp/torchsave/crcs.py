@@ -20,7 +20,7 @@ import torch
 
 from statereg import env
 from statereg.dcp import torch_private
-from statereg.dcp.torchsave import crc_stream, layout
+from statereg.dcp.torchsave import crc_stream, layout, write
 from statereg.dcp.torchsave.layout import (
     CENTRAL,
     CENTRAL_HEADER,
@@ -109,7 +109,7 @@ def _resave(stream: Any, offset: int, length: int, out: Any, hasher: Any) -> Non
                             map_location="cpu", weights_only=True)
     except RECORD_ERRORS as exc:
         raise RecordError(f"a record torch.load reads ({type(exc).__name__}: {exc})") from None
-    torch.save(tensor, out)
+    write.torch_save(tensor, out)
 
 
 _crcs_usable: bool | None = None

@@ -31,7 +31,7 @@ def save_record(tensor: torch.Tensor, out: Any, sliced: bool = True,
     plain = (type(tensor) is torch.Tensor and tensor.layout == torch.strided
              and not tensor.is_quantized)
     if not plain or env.plain_torch_save() or not crc_stream.writer_checked():
-        torch.save(tensor, out)
+        torch_save(tensor, out)
         return
     nbytes = tensor.untyped_storage().nbytes()
     if (nbytes <= templates.TEMPLATED_UP_TO and not tensor.is_conj() and not tensor.is_neg()
@@ -42,3 +42,15 @@ def save_record(tensor: torch.Tensor, out: Any, sliced: bool = True,
             template.write(tensor, out, sliced)
             return
     crc_stream.save_crc_records(tensor, out, sliced, crcs)
+
+
+def torch_save(obj: Any, out: Any) -> None:
+    """`torch.save(obj, out)`, raising the stream's own error where a write failed: torch's
+    writer, finishing the archive on the way out, replaces it with a RuntimeError about the
+    zip's position ("unexpected pos"), which would hide a full disk from the caller."""
+    try:
+        torch.save(obj, out)
+    except RuntimeError as exc:
+        if isinstance(exc.__context__, OSError):
+            raise exc.__context__ from None
+        raise
