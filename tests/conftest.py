@@ -149,16 +149,22 @@ def train_step() -> Callable[..., torch.Tensor]:
 # -- storage servers: subprocesses on free 127.0.0.1 ports, stopped by PID ---------------
 
 
+class RecordCodeRan(BaseException):
+    """statereg's record code ran under $STATEREG_PLAIN_TORCH_SAVE=1: a BaseException, so no
+    fallback of the code under test (the probes catch AssertionError) can swallow it."""
+
+
 @pytest.fixture
 def plain_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
     """$STATEREG_PLAIN_TORCH_SAVE=1, and statereg's own torch.save record code made to fail
     wherever it would still run: the test proves the switch bypasses all of it."""
-    from statereg.dcp.torchsave import crc_stream, crcs, read, templates
+    from statereg.dcp.torchsave import crc_stream, crcs, layout, read, templates
 
     monkeypatch.setenv("STATEREG_PLAIN_TORCH_SAVE", "1")
+    monkeypatch.setattr(layout, "_plain", None)  # read again at the next record
 
     def bypassed(*args: object, **kwargs: object) -> None:
-        raise AssertionError("statereg's record code ran under STATEREG_PLAIN_TORCH_SAVE=1")
+        raise RecordCodeRan("statereg's record code ran under STATEREG_PLAIN_TORCH_SAVE=1")
 
     for module, name in [(crc_stream, "save_crc_records"), (templates, "template"),
                          (crcs, "_add_crcs"), (read, "_read_into"), (read, "_walked")]:
@@ -174,7 +180,10 @@ def record_code(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     if plain:
         request.getfixturevalue("plain_torch_save")
     else:
+        from statereg.dcp.torchsave import layout
+
         monkeypatch.delenv("STATEREG_PLAIN_TORCH_SAVE", raising=False)
+        monkeypatch.setattr(layout, "_plain", None)
     return plain
 
 

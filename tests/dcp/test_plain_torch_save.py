@@ -16,7 +16,7 @@ import xxhash
 import statereg
 from statereg import env
 from statereg.dcp import torchsave
-from statereg.dcp.torchsave import crc_stream
+from statereg.dcp.torchsave import crc_stream, layout
 from statereg.errors import SpecError
 
 TENSORS = {
@@ -106,6 +106,7 @@ def test_checkpoints_written_either_way_are_the_same_bytes_and_load_bit_identica
     written = {}
     for switch in ("0", "1"):
         monkeypatch.setenv(env.PLAIN_TORCH_SAVE, switch)
+        monkeypatch.setattr(layout, "_plain", None)  # the switch is read once per process
         root = tmp_path / f"switch-{switch}"
         written[switch] = statereg.CheckpointManager(spec(root), model=model,
                                                      optimizer=optimizer).save(step=1)
@@ -116,6 +117,7 @@ def test_checkpoints_written_either_way_are_the_same_bytes_and_load_bit_identica
     for switch, path in written.items():
         for reading in ("0", "1"):
             monkeypatch.setenv(env.PLAIN_TORCH_SAVE, reading)
+            monkeypatch.setattr(layout, "_plain", None)
             other, other_optimizer = trained()
             for param in other.parameters():
                 param.data.fill_(7)
@@ -134,5 +136,6 @@ def test_the_switch_reads_on_and_off(monkeypatch, value, on):
 
 def test_a_switch_that_is_neither_on_nor_off_is_a_spec_error_naming_it(monkeypatch):
     monkeypatch.setenv(env.PLAIN_TORCH_SAVE, "sometimes")
+    monkeypatch.setattr(layout, "_plain", None)
     with pytest.raises(SpecError, match=r"\$STATEREG_PLAIN_TORCH_SAVE is 'sometimes'; set it"):
         torchsave.save_record(torch.randn(3), io.BytesIO())

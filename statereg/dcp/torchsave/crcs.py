@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from statereg import env
 from statereg.dcp import torch_private
 from statereg.dcp.torchsave import crc_stream, layout, write
 from statereg.dcp.torchsave.layout import (
@@ -87,7 +86,7 @@ def add_crcs(stream: Any, offset: int, length: int, out: Any, hasher: Any) -> No
     each passes through `hasher` (the caller checks them against the item's digest); the
     payload goes on in SLICE pieces. RecordError for anything but torch's zip layout,
     before a byte is written when the record's end or headers say so."""
-    if env.plain_torch_save() or not crcs_checked():
+    if layout.plain_torch_save() or not crcs_checked():
         _resave(stream, offset, length, out, hasher)
         return
     try:

@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from statereg import env
 from statereg.errors import StateregError
 
 try:
@@ -60,7 +61,20 @@ _U64 = (1 << 64) - 1
 __all__ = ["CENTRAL", "CENTRAL_HEADER", "DESCRIPTOR", "DESCRIPTOR32", "DESCRIPTOR64", "END",
            "ID_DIGITS", "ID_RECORD", "LOCAL", "LOCAL_HEADER", "SLICE", "SMALL_RECORDS",
            "STORAGE_DTYPES", "STORAGE_PREFIX", "Unexpected", "crc32", "hash_combine",
-           "warn_fallback"]
+           "plain_torch_save", "warn_fallback"]
+
+
+_plain: bool | None = None
+
+
+def plain_torch_save() -> bool:
+    """$STATEREG_PLAIN_TORCH_SAVE (`statereg.env.plain_torch_save`), read at this process's
+    first record and kept, like the probes' answers: a lookup of a variable that is not set
+    costs os.environ ~3 us (an exception inside), a tenth of a small tensor's record."""
+    global _plain
+    if _plain is None:
+        _plain = env.plain_torch_save()
+    return _plain
 
 
 class Unexpected(StateregError):

@@ -34,7 +34,6 @@ from typing import IO, Any, Union
 
 import torch
 
-from statereg import env
 from statereg.dcp.device_reads import DeviceLanding
 from statereg.dcp.torchsave.layout import (
     DESCRIPTOR,
@@ -43,6 +42,7 @@ from statereg.dcp.torchsave.layout import (
     LOCAL_HEADER,
     SMALL_RECORDS,
     STORAGE_DTYPES,
+    plain_torch_save,
     warn_fallback,
 )
 from statereg.errors import CorruptCheckpointError
@@ -269,7 +269,7 @@ def frames(prefix: bytes, suffix: bytes, target: torch.Tensor) -> bool:
     (its dtype and shape), with the payload exactly between the two: a decoder can then
     write the payload straight into `target`. The walk of `_payload`, on bytes in memory;
     False under `STATEREG_PLAIN_TORCH_SAVE=1` or where this torch failed `reads_checked`."""
-    if env.plain_torch_save() or not reads_checked():
+    if plain_torch_save() or not reads_checked():
         return False
     try:
         start, nbytes = _walked(prefix, target.dtype, tuple(target.shape))
@@ -340,7 +340,7 @@ def read_into(stream: Stream, offset: int, length: int, target: torch.Tensor,
     returned. Raises EOFError if the stream ends before the record does. Always False under
     `STATEREG_PLAIN_TORCH_SAVE=1` and where this torch failed `reads_checked`.
     """
-    if env.plain_torch_save() or not reads_checked():
+    if plain_torch_save() or not reads_checked():
         return False
     return _read_into(stream, offset, length, target, hasher, landing, view)
 

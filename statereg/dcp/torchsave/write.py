@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from statereg import env
-from statereg.dcp.torchsave import crc_stream, templates
+from statereg.dcp.torchsave import crc_stream, layout, templates
 
 
 def save_record(tensor: torch.Tensor, out: Any, sliced: bool = True,
@@ -30,7 +29,7 @@ def save_record(tensor: torch.Tensor, out: Any, sliced: bool = True,
     """
     plain = (type(tensor) is torch.Tensor and tensor.layout == torch.strided
              and not tensor.is_quantized)
-    if not plain or env.plain_torch_save() or not crc_stream.writer_checked():
+    if not plain or layout.plain_torch_save() or not crc_stream.writer_checked():
         torch_save(tensor, out)
         return
     nbytes = tensor.untyped_storage().nbytes()
