@@ -117,9 +117,7 @@ def plain_torch_save() -> bool:
     """$STATEREG_PLAIN_TORCH_SAVE: write every tensor record with torch.save and read it with
     torch.load, bypassing statereg's own record code (docs/compatibility.md); False when unset.
     A SpecError naming the variable for a value that is neither on (1, true, yes, on) nor off
-    (0, false, no, off, empty)."""
-    if PLAIN_TORCH_SAVE not in os.environ:  # read at every record: the common case first
-        return False
+    (0, false, no, off, empty). statereg.dcp.torchsave reads it once per process."""
     raw = _text(PLAIN_TORCH_SAVE).lower()
     if raw in _TRUE:
         return True

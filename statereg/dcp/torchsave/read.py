@@ -18,6 +18,10 @@ hasher (the bytes before the payload, the payload from the destination's memory,
 the record), so the caller checks the record's digest without a second pass. `load`, the
 fallback, first bounds what the record may allocate by its own size (`check_bounded`), so a
 hostile record cannot make `torch.load` allocate gigabytes from a few bytes.
+
+`reads_checked()` compares in-place reads of small `torch.save` probes with `torch.load`
+once per process; where they differ (one warning), and under `STATEREG_PLAIN_TORCH_SAVE=1`,
+`read_into` and `frames` decline every record, so every load goes through `load`.
 """
 
 from __future__ import annotations
