@@ -189,11 +189,12 @@ def record_code(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cloud_environment() -> Iterator[None]:
-    """No ambient credentials, profiles, regions or emulator hosts leak into the tests."""
+    """No ambient credentials, profiles, regions or emulator hosts leak into the tests, nor a
+    $STATEREG_PLAIN_TORCH_SAVE (the tests that run both ways set it: `record_code`)."""
     with pytest.MonkeyPatch.context() as mp:
         for name in list(os.environ):
             if name.startswith(("AWS_", "GOOGLE_", "GCLOUD_", "AZURE_")) or name in (
-                "STORAGE_EMULATOR_HOST", "CLOUDSDK_CONFIG",
+                "STORAGE_EMULATOR_HOST", "CLOUDSDK_CONFIG", "STATEREG_PLAIN_TORCH_SAVE",
             ):
                 mp.delenv(name)
         mp.setenv("AWS_CONFIG_FILE", os.devnull)
