@@ -29,6 +29,8 @@ GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 MASTER_ADDR = "MASTER_ADDR"
 LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 STORAGE_EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
+PLAIN_TORCH_SAVE = "STATEREG_PLAIN_TORCH_SAVE"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def _text(name: str) -> str:
@@ -109,3 +111,17 @@ def local_world_size() -> int:
 def storage_emulator_host() -> str:
     """$STORAGE_EMULATOR_HOST: a GCS emulator gcsfs talks to; "" when unset."""
     return os.environ.get(STORAGE_EMULATOR_HOST, "")
+
+
+def plain_torch_save() -> bool:
+    """$STATEREG_PLAIN_TORCH_SAVE: write every tensor record with torch.save and read it with
+    torch.load, bypassing statereg's own record code (docs/compatibility.md); False when unset.
+    A SpecError naming the variable for a value that is neither on (1, true, yes, on) nor off
+    (0, false, no, off, empty). statereg.dcp.torchsave reads it once per process."""
+    raw = _text(PLAIN_TORCH_SAVE).lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise SpecError(f"${PLAIN_TORCH_SAVE} is {raw!r}; set it to 1 to write every record with "
+                    "torch.save, or 0 (or unset it) for statereg's faster records")

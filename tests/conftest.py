@@ -149,13 +149,52 @@ def train_step() -> Callable[..., torch.Tensor]:
 # -- storage servers: subprocesses on free 127.0.0.1 ports, stopped by PID ---------------
 
 
+class RecordCodeRan(BaseException):
+    """statereg's record code ran under $STATEREG_PLAIN_TORCH_SAVE=1: a BaseException, so no
+    fallback of the code under test (the probes catch AssertionError) can swallow it."""
+
+
+@pytest.fixture
+def plain_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$STATEREG_PLAIN_TORCH_SAVE=1, and statereg's own torch.save record code made to fail
+    wherever it would still run: the test proves the switch bypasses all of it."""
+    from statereg.dcp.torchsave import crc_stream, crcs, layout, read, templates
+
+    monkeypatch.setenv("STATEREG_PLAIN_TORCH_SAVE", "1")
+    monkeypatch.setattr(layout, "_plain", None)  # read again at the next record
+
+    def bypassed(*args: object, **kwargs: object) -> None:
+        raise RecordCodeRan("statereg's record code ran under STATEREG_PLAIN_TORCH_SAVE=1")
+
+    for module, name in [(crc_stream, "save_crc_records"), (templates, "template"),
+                         (crcs, "_add_crcs"), (read, "_read_into"), (read, "_walked")]:
+        monkeypatch.setattr(module, name, bypassed)
+
+
+@pytest.fixture(params=["statereg records", "plain torch.save"])
+def record_code(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Runs a test both ways: through statereg's own torch.save record code, and with
+    $STATEREG_PLAIN_TORCH_SAVE=1 (`plain_torch_save`: none of that code may run). True when
+    plain."""
+    plain = request.param == "plain torch.save"
+    if plain:
+        request.getfixturevalue("plain_torch_save")
+    else:
+        from statereg.dcp.torchsave import layout
+
+        monkeypatch.delenv("STATEREG_PLAIN_TORCH_SAVE", raising=False)
+        monkeypatch.setattr(layout, "_plain", None)
+    return plain
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cloud_environment() -> Iterator[None]:
-    """No ambient credentials, profiles, regions or emulator hosts leak into the tests."""
+    """No ambient credentials, profiles, regions or emulator hosts leak into the tests, nor a
+    $STATEREG_PLAIN_TORCH_SAVE (the tests that run both ways set it: `record_code`)."""
     with pytest.MonkeyPatch.context() as mp:
         for name in list(os.environ):
             if name.startswith(("AWS_", "GOOGLE_", "GCLOUD_", "AZURE_")) or name in (
-                "STORAGE_EMULATOR_HOST", "CLOUDSDK_CONFIG",
+                "STORAGE_EMULATOR_HOST", "CLOUDSDK_CONFIG", "STATEREG_PLAIN_TORCH_SAVE",
             ):
                 mp.delenv(name)
         mp.setenv("AWS_CONFIG_FILE", os.devnull)

@@ -11,7 +11,8 @@ used" finds it by name:
 - `reuse.py`: what an incremental save may reference instead of writing;
 - `planner.py`: `StateregSavePlanner`, DCP's save planner with a one-pass path for flat dicts;
 - `codec.py`: compression of each item (zstd, float planes) and DCP's extension registry;
-- `torchsave.py`: where a tensor's bytes lie inside one `torch.save` record;
+- `torchsave/`: statereg's own `torch.save` record code (writing records with its own CRC-32s,
+  adding CRC-32s, reading a payload in place), one module per job;
 - `device_reads.py`: reads into GPU tensors through page-locked slices;
 - `torch_private.py`: the only home of private torch names, each with its fallback;
 - `quiet.py`: DCP's single-process warning, silenced during statereg's own DCP calls only.

@@ -1,4 +1,12 @@
-"""Compression of the items inside DCP files: zstd, optionally after splitting floats into planes.
+"""The item codec, this module's one job: one DCP item's bytes to its stored bytes and back.
+
+Everything here encodes one item on save (`EncodingStream`, `encode_zstd_parts`,
+`encode_planes`) or decodes it, bounded, on load (`decode`, `decode_into`, `frame_stream`),
+for the two stream transforms `.metadata` can name; `FloatPlanes` and `extension_registry()`
+hand the same decoders to plain DCP readers. It is one file past 700 lines because the float
+planes' encoder and decoder share their layout (header, plane order, nibble coding) and
+change together (a new layout is a new descriptor version): splitting them would put one
+format's two halves in two files.
 
 Each DCP item (one tensor chunk, or one pickled object) is compressed on its own through DCP's
 stream-transform hooks, so DCP's offsets, metadata and readers keep working:

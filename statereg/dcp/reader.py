@@ -2,7 +2,7 @@
 
 What changes from DCP's reader: `.metadata` is read once and safely (metadata.py); data files
 are read on several threads, each fetching only its items' bytes; a tensor item is read
-straight into its destination (torchsave.py, device_reads.py for GPU tensors), every item is
+straight into its destination (torchsave/read.py, device_reads.py for GPU tensors), every item is
 checked against its recorded digest as it is read, and compressed items are decoded within
 the bounds the metadata gives (codec.py). `SafeLoadPlanner` loads non-tensor items with
 `weights_only=True`; `load_in_place` is `dcp.load` keeping what the planner adds.

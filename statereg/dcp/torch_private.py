@@ -39,10 +39,12 @@ nested-dict assignment, element sizes, the in-place DCP load).
     What: torch.save's zip writer, opened with its CRC-32 turned off for one call (the public
     switch, `set_crc32_options`, is process-wide: another thread's torch.save would lose its
     CRCs), and the function torch.save runs inside it.
-    Why: records.py computes the CRC-32s itself, several times faster, and writes
-    torch.save's exact bytes (benchmarks/results/journal.md, "CRC-32s at the speed of the copy").
-    Fallback: records.py checks once per process that its bytes equal torch.save's; without
-    these names, or if they differ, every record is written by torch.save as before.
+    Why: torchsave/crc_stream.py computes the CRC-32s itself, several times faster, and
+    writes torch.save's exact bytes (benchmarks/results/journal.md, "CRC-32s at the speed of
+    the copy").
+    Fallback: torchsave/crc_stream.py checks once per process that its bytes equal
+    torch.save's; without these names, or if they differ, it warns once and every record is
+    written by torch.save as before.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def dcp_load(state_dict: dict[str, Any], *, storage_reader: Any, planner: Any,
 
 
 def zip_writer_without_crc(buffer: IO[bytes] | io.RawIOBase) -> Any:
-    """torch's zip writer into `buffer`, computing no CRC-32 (records.py computes them)."""
+    """torch's zip writer into `buffer`, computing no CRC-32 (torchsave/crc_stream.py does)."""
     # torch's stub says IO[bytes]; the writer takes any object with write():
     return PyTorchFileWriter(buffer, False, _get_storage_alignment())  # type: ignore[arg-type]
 

@@ -3,7 +3,7 @@
 What changes from DCP's writer: the file system is built once with its options; no
 `checkpoint_id` and no fsync fallback (`sync_files=False`: our streams are durable before
 they report); the per-file loop is statereg's (each tensor one `torch.save` record, its
-CRC-32s computed by records.py or, in memory, left out; every item's stored bytes hashed as
+CRC-32s computed by torchsave/ or, in memory, left out; every item's stored bytes hashed as
 written, a failure in any writer thread raised); items an incremental save finds unchanged
 are referenced, not written; `.metadata` is written in place, with every item's digest
 (`ITEM_CHECKSUMS`).
@@ -37,9 +37,9 @@ from statereg.backends.checksum import FileRecorder
 from statereg.dcp import METADATA_NAME, codec
 from statereg.dcp.fs import BackendFileSystem
 from statereg.dcp.metadata import ITEM_CHECKSUMS, gc_paused, shared_descriptors
-from statereg.dcp.records import save_record
 from statereg.dcp.reuse import Reusable, item_key, tensor_digest
 from statereg.dcp.torch_private import storage_info
+from statereg.dcp.torchsave import save_record
 
 
 @dataclass
@@ -81,8 +81,8 @@ class BackendWriter(FileSystemWriter):
         # bound by decoding, and their save by the CPU the cache's copy would take.
         self.fs = BackendFileSystem(backend, recorder, cached=compression is None)
         self.path = path
-        # zip CRC-32s in tensor records (records.py): left out only where the store does not
-        # want them and the records are stored as they are (a drain then adds them: a
+        # zip CRC-32s in tensor records (torchsave/crc_stream.py): left out only where the
+        # store does not want them and the records are stored as they are (a drain adds them: a
         # compressed item would have to be decoded for that, and its codec's CPU dwarfs them).
         self.crcs = backend.record_crcs or compression is not None
         self.compressor = CompressingTransforms(compression) if compression is not None else None

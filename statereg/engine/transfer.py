@@ -36,7 +36,7 @@ from statereg.dcp.codec import CompressionSettings
 from statereg.dcp.metadata import ITEM_CHECKSUMS, gc_paused, item_checksums, load_dcp_metadata
 from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
-from statereg.dcp.records import RecordError, add_crcs
+from statereg.dcp.torchsave import RecordError, add_crcs
 from statereg.dcp.writer import BackendWriter, HashingTee
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of
 from statereg.engine.claims import claim_checkpoint, claim_scope

@@ -74,7 +74,8 @@ def assert_same_state(model: nn.Module, opt: torch.optim.Optimizer, other: nn.Mo
 
 @pytest.mark.parametrize("compression", ["zstd", {"codec": "zstd", "float_aware": False},
                                          {"codec": "zstd", "level": 19, "threads": 2}])
-def test_compressed_checkpoints_are_smaller_and_load_bit_exact(tmp_path, compression):
+def test_compressed_checkpoints_are_smaller_and_load_bit_exact(tmp_path, compression,
+                                                               record_code):
     model, opt = trained()
     plain = statereg.CheckpointManager(spec_for(str(tmp_path / "plain")), model=model,
                                        optimizer=opt).save(step=1)

@@ -18,6 +18,10 @@ hasher (the bytes before the payload, the payload from the destination's memory,
 the record), so the caller checks the record's digest without a second pass. `load`, the
 fallback, first bounds what the record may allocate by its own size (`check_bounded`), so a
 hostile record cannot make `torch.load` allocate gigabytes from a few bytes.
+
+`reads_checked()` compares in-place reads of small `torch.save` probes with `torch.load`
+once per process; where they differ (one warning), and under `STATEREG_PLAIN_TORCH_SAVE=1`,
+`read_into` and `frames` decline every record, so every load goes through `load`.
 """
 
 from __future__ import annotations
@@ -35,24 +39,22 @@ from typing import IO, Any, Union
 import torch
 
 from statereg.dcp.device_reads import DeviceLanding
+from statereg.dcp.torchsave.layout import (
+    DESCRIPTOR,
+    DESCRIPTOR32,
+    DESCRIPTOR64,
+    LOCAL_HEADER,
+    SMALL_RECORDS,
+    STORAGE_DTYPES,
+    plain_torch_save,
+    warn_fallback,
+)
 from statereg.errors import CorruptCheckpointError
 from statereg.process_state import process_wide
 
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64, "IntStorage": torch.int32, "ShortStorage": torch.int16,
-    "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
-}
 # Every typed storage class torch.save names, for bounding what a record declares.
-_SCANNED_STORAGE_DTYPES = {**_STORAGE_DTYPES, "ComplexFloatStorage": torch.complex64,
+_SCANNED_STORAGE_DTYPES = {**STORAGE_DTYPES, "ComplexFloatStorage": torch.complex64,
                            "ComplexDoubleStorage": torch.complex128}
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader
-_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
-_DESCRIPTOR = struct.Struct("<4sIII")  # signature, crc32, compressed and plain size
-_DESCRIPTOR64 = struct.Struct("<4sIQQ")
-# The records torch.save writes between data.pkl and the storages.
-_SMALL_RECORDS = {".format_version", ".storage_alignment", "byteorder"}
 # How much of a record's start is read to find its payload (its header takes ~1 KiB).
 _HEAD_BYTES = 4096
 # Bytes hashed per read when a record's framing is hashed.
@@ -93,8 +95,8 @@ class _TensorRecordUnpickler(pickle.Unpickler):
             return _rebuild
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+        if module == "torch" and name in STORAGE_DTYPES:
+            return STORAGE_DTYPES[name]
         raise _NotPlain(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> tuple[torch.dtype, str, int]:
@@ -161,12 +163,12 @@ def _check_layout(record: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> in
 
 def _skip_descriptor(head: bytes, at: int, size: int) -> int:
     """Where the next record starts after a member of `size` bytes ending at `at`."""
-    if head[at:at + 4] != _DESCRIPTOR_SIGNATURE:
+    if head[at:at + 4] != DESCRIPTOR:
         raise _NotPlain("data descriptor")
-    if _DESCRIPTOR.unpack_from(head, at)[2:] == (size, size):
-        return at + _DESCRIPTOR.size
-    if _DESCRIPTOR64.unpack_from(head, at)[2:] == (size, size):
-        return at + _DESCRIPTOR64.size
+    if DESCRIPTOR32.unpack_from(head, at)[2:] == (size, size):
+        return at + DESCRIPTOR32.size
+    if DESCRIPTOR64.unpack_from(head, at)[2:] == (size, size):
+        return at + DESCRIPTOR64.size
     raise _NotPlain("data descriptor sizes")
 
 
@@ -180,14 +182,14 @@ def _walk_head(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple
     """
     pos, record, order = 0, None, None
     while True:
-        fields = _LOCAL_HEADER.unpack_from(head, pos)
+        fields = LOCAL_HEADER.unpack_from(head, pos)
         flags, method, csize, name_len, extra_len = fields[3], fields[4], fields[8], \
             fields[10], fields[11]
         # zipfile's private constant, not in typeshed:
         if fields[0] != zipfile.stringFileHeader or method != zipfile.ZIP_STORED:  # type: ignore[attr-defined]
             raise _NotPlain("local header")
-        start = pos + _LOCAL_HEADER.size + name_len + extra_len
-        member = head[pos + _LOCAL_HEADER.size:start - extra_len].decode("utf-8").split("/", 1)[-1]
+        start = pos + LOCAL_HEADER.size + name_len + extra_len
+        member = head[pos + LOCAL_HEADER.size:start - extra_len].decode("utf-8").split("/", 1)[-1]
         if record is not None and member == f"data/{record.key}":
             if order != sys.byteorder.encode():
                 raise _NotPlain("byte order")
@@ -196,8 +198,8 @@ def _walk_head(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple
             pickled = io.BytesIO(head[start:])
             record = _TensorRecordUnpickler(pickled).load()
             size = pickled.tell()
-        elif member in _SMALL_RECORDS:
-            size = head.find(_DESCRIPTOR_SIGNATURE, start) - start if flags & 8 else csize
+        elif member in SMALL_RECORDS:
+            size = head.find(DESCRIPTOR, start) - start if flags & 8 else csize
             if size < 0:
                 raise _NotPlain("unterminated record")
             if member == "byteorder":
@@ -243,7 +245,7 @@ def _payload(stream: Stream, offset: int, length: int, dtype: torch.dtype,
     if len(head) == min(length, _HEAD_BYTES):
         try:
             start, nbytes = _walked(head, dtype, shape)
-            if start + nbytes + _DESCRIPTOR.size <= length:
+            if start + nbytes + DESCRIPTOR32.size <= length:
                 return offset + start, True, head
         except _WALK_ERRORS:
             pass
@@ -271,23 +273,26 @@ def _payload(stream: Stream, offset: int, length: int, dtype: torch.dtype,
 def frames(prefix: bytes, suffix: bytes, target: torch.Tensor) -> bool:
     """Whether `prefix`, then `target`'s bytes, then `suffix` is the plain record of `target`
     (its dtype and shape), with the payload exactly between the two: a decoder can then
-    write the payload straight into `target`. The walk of `_payload`, on bytes in memory."""
+    write the payload straight into `target`. The walk of `_payload`, on bytes in memory;
+    False under `STATEREG_PLAIN_TORCH_SAVE=1` or where this torch failed `reads_checked`."""
+    if plain_torch_save() or not reads_checked():
+        return False
     try:
         start, nbytes = _walked(prefix, target.dtype, tuple(target.shape))
         if start != len(prefix) or nbytes != target.nbytes:
             return False
-        _skip_descriptor(suffix[:_DESCRIPTOR64.size] + bytes(_DESCRIPTOR64.size), 0, nbytes)
+        _skip_descriptor(suffix[:DESCRIPTOR64.size] + bytes(DESCRIPTOR64.size), 0, nbytes)
     except _WALK_ERRORS:
         return False
     return True
 
 
 def _member_start(window: RecordWindow, info: zipfile.ZipInfo) -> int:
-    header = _LOCAL_HEADER.unpack(_read_exact(window, info.header_offset, _LOCAL_HEADER.size))
+    header = LOCAL_HEADER.unpack(_read_exact(window, info.header_offset, LOCAL_HEADER.size))
     # zipfile's private constant, not in typeshed:
     if header[0] != zipfile.stringFileHeader:  # type: ignore[attr-defined]
         raise _NotPlain("local header")
-    start = info.header_offset + _LOCAL_HEADER.size + header[10] + header[11]
+    start = info.header_offset + LOCAL_HEADER.size + header[10] + header[11]
     if start + info.file_size > window.length:
         raise _NotPlain("member past the record")
     return start
@@ -307,7 +312,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _hash_range(stream: Stream, start: int, end: int, hasher: Any) -> None:
+def hash_range(stream: Stream, start: int, end: int, hasher: Any) -> None:
     """Feed bytes [start, end) of `stream` to `hasher`, in bounded reads."""
     stream.seek(start)
     while start < end:
@@ -338,8 +343,16 @@ def read_into(stream: Stream, offset: int, length: int, target: torch.Tensor,
     case); its copies may still be in flight on return, until `landing.finish()`. `view` is
     `byte_view(target)` where the caller has it (it saves a reader thread the torch calls).
     With `hasher`, every byte of the record passes through it in order when True is
-    returned. Raises EOFError if the stream ends before the record does.
+    returned. Raises EOFError if the stream ends before the record does. Always False under
+    `STATEREG_PLAIN_TORCH_SAVE=1` and where this torch failed `reads_checked`.
     """
+    if plain_torch_save() or not reads_checked():
+        return False
+    return _read_into(stream, offset, length, target, hasher, landing, view)
+
+
+def _read_into(stream: Stream, offset: int, length: int, target: torch.Tensor,
+               hasher: Any, landing: DeviceLanding | None, view: memoryview | None) -> bool:
     on_device = target.device.type != "cpu"
     if ((on_device and (landing is None or not target.is_cuda)) or not target.is_contiguous()
             or target.numel() == 0 or target.is_quantized or target.is_sparse):
@@ -356,7 +369,7 @@ def read_into(stream: Stream, offset: int, length: int, target: torch.Tensor,
         if lead <= len(head):
             hasher.update(head[:lead])
         else:
-            _hash_range(stream, offset, start, hasher)
+            hash_range(stream, offset, start, hasher)
     if on_device:
         assert landing is not None
         stream.seek(start)
@@ -392,13 +405,55 @@ def read_into(stream: Stream, offset: int, length: int, target: torch.Tensor,
     tail = head[lead + nbytes:] if whole else _read_upto(stream, min(rest, _HASH_BLOCK))
     if check_descriptor:
         try:
-            _skip_descriptor(tail[:_DESCRIPTOR64.size] + bytes(_DESCRIPTOR64.size), 0, nbytes)
+            _skip_descriptor(tail[:DESCRIPTOR64.size] + bytes(DESCRIPTOR64.size), 0, nbytes)
         except (_NotPlain, struct.error):
             return False  # not what the header walk assumed: the caller reloads it whole
     if hasher is not None:
         hasher.update(tail)
         if rest > len(tail):
-            _hash_range(stream, start + nbytes + len(tail), offset + length, hasher)
+            hash_range(stream, start + nbytes + len(tail), offset + length, hasher)
+    return True
+
+
+_reads_usable: bool | None = None
+process_wide(__name__, "_reads_usable", "whether the in-place reader reads what torch.load "
+             "does, probed once")
+
+
+def reads_checked() -> bool:
+    """Whether records `torch.save` writes on this torch, read in place, hold what
+    `torch.load` reads from them: checked once per process on probes of several dtypes and
+    sizes (one whose payload starts like a data descriptor). Where one is not read in place,
+    or differs, one warning, and every record is read by `torch.load`."""
+    global _reads_usable
+    if _reads_usable is None:  # two threads may both probe: the same answer
+        _reads_usable = _probe_reads()
+    return _reads_usable
+
+
+def _probe_reads() -> bool:
+    probes = [torch.arange(300, dtype=torch.float32), torch.ones(3, 5, dtype=torch.bfloat16),
+              torch.tensor([*DESCRIPTOR, *range(12)], dtype=torch.uint8),
+              torch.arange(6000, dtype=torch.int64).reshape(60, 100)]
+    for probe in probes:
+        record = io.BytesIO()
+        record.write(b"lead")  # a record inside a file, as DCP's are
+        torch.save(probe, record)
+        length = record.tell() - 4
+        target = torch.empty_like(probe)
+        try:
+            ok = _read_into(record, 4, length, target, None, None, None)
+            expected = torch.load(RecordWindow(record, 4, length),  # type: ignore[arg-type]
+                                  map_location="cpu", weights_only=True)
+        except RECORD_ERRORS as exc:
+            why = f"reading a probe failed ({type(exc).__name__}: {exc})"
+        else:
+            if ok and torch.equal(target.view(torch.uint8), expected.view(torch.uint8)):
+                continue
+            why = (f"a record of {probe.dtype} {tuple(probe.shape)} "
+                   f"{'reads otherwise than torch.load' if ok else 'is not read in place'}")
+        warn_fallback(why, "every record is read by torch.load")
+        return False
     return True
 
 
@@ -472,7 +527,7 @@ def check_bounded(record: RecordWindow, length: int) -> None:
     torch.load will allocate is then bounded by the record's size.
 
     data.pkl is read as stored, not through zipfile, which would refuse a record written
-    without CRC-32s (records.py, in memory), as torch.load does not."""
+    without CRC-32s (crc_stream.py, in memory), as torch.load does not."""
     archive = zipfile.ZipFile(record)
     pickled = None
     for info in archive.infolist():

@@ -13,6 +13,7 @@ import torch
 import xxhash
 
 from statereg.dcp import torchsave
+from statereg.dcp.torchsave import read
 
 
 def record(tensor: torch.Tensor, lead: bytes = b"lead") -> tuple[io.BytesIO, int, int]:
@@ -120,7 +121,7 @@ def test_the_payload_is_found_from_the_record_head_alone(monkeypatch):
     def no_central_directory(*args: object) -> None:
         raise AssertionError("the head walk should have found the payload")
 
-    monkeypatch.setattr(torchsave.zipfile, "ZipFile", no_central_directory)
+    monkeypatch.setattr(read.zipfile, "ZipFile", no_central_directory)
     target = torch.zeros(300, 7)
     assert torchsave.read_into(stream, offset, length, target)
     assert torch.equal(target, tensor)
@@ -131,15 +132,15 @@ def test_a_layout_is_walked_once_and_a_record_that_starts_otherwise_is_walked_ag
     # Records of one layout start with the same bytes: the walk's answer is kept and reused
     # for a record whose head starts with them; any other head (damage in its pickle, the
     # header of a record of another storage) is walked afresh and declined if it must be.
-    monkeypatch.setattr(torchsave, "_walks", {})
+    monkeypatch.setattr(read, "_walks", {})
     walked = []
-    real = torchsave._walk_head
+    real = read._walk_head
 
     def counted(head, dtype, shape):
         walked.append(len(head))
         return real(head, dtype, shape)
 
-    monkeypatch.setattr(torchsave, "_walk_head", counted)
+    monkeypatch.setattr(read, "_walk_head", counted)
     tensors = [torch.randn(300, 7) for _ in range(3)]
     for tensor in tensors:
         stream, offset, length = record(tensor)
@@ -167,7 +168,8 @@ def test_a_head_the_walk_cannot_follow_is_read_through_the_central_directory():
     assert torch.equal(target, tensor)
 
 
-def test_statereg_records_pass_zip_integrity_checks_and_equal_torch_save(tmp_path):
+def test_statereg_records_pass_zip_integrity_checks_and_equal_torch_save(tmp_path,
+                                                                          record_code):
     # docs/compatibility.md: each tensor item of a .distcp file is the torch.save zip of that
     # tensor, byte for byte, CRC-32s included, so standard zip tools find nothing wrong.
     import torch.distributed.checkpoint as dcp
@@ -239,14 +241,13 @@ def test_bounded_load_reads_every_storage_class_torch_save_names(dtype: torch.dt
 
 @pytest.mark.parametrize("reader", ["bounded load", "payload walk"])
 def test_records_without_crcs_are_read(reader: str) -> None:
-    """Memory checkpoints' records carry no CRC-32s (records.py): the size bound reads
+    """Memory checkpoints' records carry no CRC-32s (torchsave/crc_stream.py): the size bound reads
     data.pkl as stored, where zipfile would refuse its zero CRC-32, and the walk finds the
     payload."""
-    from statereg.dcp import records
 
     tensor = torch.randn(40, 3)
     buffer = io.BytesIO()
-    records.save_record(tensor, buffer, crcs=False)
+    torchsave.save_record(tensor, buffer, crcs=False)
     data = buffer.getvalue()
     with pytest.raises(zipfile.BadZipFile, match="Bad CRC-32"):
         zipfile.ZipFile(io.BytesIO(data)).read("archive/data.pkl")
@@ -256,3 +257,27 @@ def test_records_without_crcs_are_read(reader: str) -> None:
         loaded = torch.empty_like(tensor)
         assert torchsave.read_into(buffer, 0, len(data), loaded)
     assert torch.equal(loaded.view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_this_torch_passes_the_read_probe():
+    # Otherwise every load goes through torch.load and a copy (still the same values).
+    assert read.reads_checked()
+
+
+def test_a_torch_whose_records_the_walk_misreads_is_read_by_torch_load(monkeypatch):
+    # A torch that lays a record out otherwise, where the walk still finds a payload: the
+    # probe compares with torch.load, warns once, and every record goes to torch.load.
+    real = read._walked
+
+    def shifted(head, dtype, shape):
+        start, nbytes = real(head, dtype, shape)
+        return start + 4, nbytes
+
+    monkeypatch.setattr(read, "_reads_usable", None)
+    monkeypatch.setattr(read, "_walked", shifted)
+    with pytest.warns(RuntimeWarning, match="every record is read by torch.load"):
+        assert not read.reads_checked()
+    tensor = torch.randn(300)
+    stream, offset, length = record(tensor)
+    assert not torchsave.read_into(stream, offset, length, torch.zeros(300))
+    assert torch.equal(torchsave.load(stream, offset, length, "record"), tensor)

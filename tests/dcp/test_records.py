@@ -1,4 +1,5 @@
-"""statereg's tensor records: torch.save's bytes, CRC-32s computed by statereg (records.py)."""
+"""statereg's tensor records: torch.save's bytes, CRC-32s computed by statereg
+(statereg/dcp/torchsave: write.py, crc_stream.py, templates.py, crcs.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 import zipfile
 
 import pytest
@@ -15,7 +17,8 @@ import torch
 import xxhash
 
 from statereg.backends.local import available_memory
-from statereg.dcp import records, torch_private
+from statereg.dcp import torch_private, torchsave
+from statereg.dcp.torchsave import crc_stream, crcs, layout, templates
 from statereg.errors import StateregError
 
 
@@ -27,7 +30,7 @@ def torch_save_bytes(tensor: torch.Tensor) -> bytes:
 
 def record_bytes(tensor: torch.Tensor, sliced: bool = True, crcs: bool = True) -> bytes:
     out = io.BytesIO()
-    records.save_record(tensor, out, sliced=sliced, crcs=crcs)
+    torchsave.save_record(tensor, out, sliced=sliced, crcs=crcs)
     return out.getvalue()
 
 
@@ -45,9 +48,9 @@ def torch_save_bytes_without_crcs(tensor: torch.Tensor) -> bytes:
 TENSORS = {
     "fp32": lambda: torch.randn(64, 33),
     "bf16": lambda: torch.randn(1000).bfloat16(),
-    "fp16 across slices": lambda: torch.randn(3 * records.SLICE // 2 + 5).half(),
-    "fp32 three slices and a bit": lambda: torch.randn(3 * records.SLICE // 4 + 1),
-    "one slice exactly": lambda: torch.randn(records.SLICE // 4),
+    "fp16 across slices": lambda: torch.randn(3 * layout.SLICE // 2 + 5).half(),
+    "fp32 three slices and a bit": lambda: torch.randn(3 * layout.SLICE // 4 + 1),
+    "one slice exactly": lambda: torch.randn(layout.SLICE // 4),
     "scalar": lambda: torch.tensor(2.5, dtype=torch.float64),
     "empty": lambda: torch.zeros(0),
     "empty 2-d": lambda: torch.zeros(0, 7, dtype=torch.int64),
@@ -67,7 +70,7 @@ TENSORS = {
 def test_records_equal_torch_save_byte_for_byte_and_pass_zip_checks(name, sliced, path,
                                                                     monkeypatch):
     if path != "as chosen":  # no templates
-        monkeypatch.setattr(records, "_TEMPLATED_UP_TO", -1)
+        monkeypatch.setattr(templates, "TEMPLATED_UP_TO", -1)
     tensor = TENSORS[name]()
     ours = record_bytes(tensor, sliced)
     assert ours == torch_save_bytes(tensor)
@@ -86,8 +89,8 @@ def test_records_without_crcs_are_torch_saves_with_its_crc_option_off(name, path
     # The memory tier's records (record_crcs False): what torch.save writes under
     # set_crc32_options(False), for any data of a layout, and torch.load reads them.
     if path != "as chosen":
-        monkeypatch.setattr(records, "_TEMPLATED_UP_TO", -1)
-    monkeypatch.setattr(records, "_templates", {})
+        monkeypatch.setattr(templates, "TEMPLATED_UP_TO", -1)
+    monkeypatch.setattr(templates, "_templates", {})
     first = TENSORS[name]()
     tensors = [first] + [first.logical_not() if first.dtype == torch.bool
                          else other_data(first, seed) for seed in range(3)]
@@ -99,20 +102,22 @@ def test_records_without_crcs_are_torch_saves_with_its_crc_option_off(name, path
         assert back.reshape(-1).view(torch.uint8).tolist() == \
             tensor.reshape(-1).view(torch.uint8).tolist()
     if path == "as chosen":  # written from a template of the CRC-less record
-        assert [key[-1] for key in records._templates] == [False]
+        assert [key[-1] for key in templates._templates] == [False]
     assert record_bytes(tensors[1]) == torch_save_bytes(tensors[1])  # and with CRC-32s
 
 
 @pytest.mark.parametrize("written", ["without CRC-32s", "with CRC-32s"])
 @pytest.mark.parametrize("name", list(TENSORS))
-def test_adding_crcs_to_a_record_gives_torch_saves_bytes(name, written):
+def test_adding_crcs_to_a_record_gives_torch_saves_bytes(name, written, record_code):
     # What a drain from memory does to each tensor record (engine/transfer.py): the record
     # read in place (other bytes around it), every byte of it through the hasher, in order.
+    # Through statereg's own CRC-32s, and (`record_code`) through torch.load and torch.save.
     tensor = TENSORS[name]()
-    record = record_bytes(tensor, crcs=written == "with CRC-32s")
+    record = (torch_save_bytes(tensor) if written == "with CRC-32s"
+              else torch_save_bytes_without_crcs(tensor))
     stream = io.BytesIO(b"before" + record + b"after")
     out, read = io.BytesIO(), xxhash.xxh3_64()
-    records.add_crcs(stream, len(b"before"), len(record), out, read)
+    torchsave.add_crcs(stream, len(b"before"), len(record), out, read)
     assert out.getvalue() == torch_save_bytes(tensor)
     assert read.intdigest() == xxhash.xxh3_64(record).intdigest()
 
@@ -124,32 +129,33 @@ def test_adding_crcs_to_a_record_not_laid_out_as_torch_saves_raises(damage):
     if damage == "end of central directory":
         record[-22:-18] = b"XXXX"
     elif damage == "a data descriptor":
-        at = record.index(records._DESCRIPTOR)
+        at = record.index(layout.DESCRIPTOR)
         record[at + 8:at + 12] = b"\xff\xff\xff\x7f"  # its sizes no longer the member's
     elif damage == "the serialization id":
-        at = record.rindex(b"serialization_id", 0, record.index(records._CENTRAL))
-        start = record.index(records._DESCRIPTOR, at) - 40
+        at = record.rindex(b"serialization_id", 0, record.index(layout.CENTRAL))
+        start = record.index(layout.DESCRIPTOR, at) - 40
         record[start:start + 1] = b"x"
     else:
         record = record[:len(record) // 2] + record[-100:]
-    with pytest.raises(records.RecordError):
-        records.add_crcs(io.BytesIO(bytes(record)), 0, len(record), io.BytesIO(),
+    with pytest.raises(torchsave.RecordError):
+        torchsave.add_crcs(io.BytesIO(bytes(record)), 0, len(record), io.BytesIO(),
                          xxhash.xxh3_64())
 
 
 def test_the_template_probe_covers_records_without_crcs(monkeypatch):
     # A template whose CRC-less record differed from torch's writer's keeps templates off.
-    real_write = records._Template.write
+    real_write = templates.Template.write
 
     def crc_less_differs(self, tensor, out, sliced):
         real_write(self, tensor, out, sliced)
         if not self.crcs:
             out.write(b"!")
 
-    monkeypatch.setattr(records, "_templates_usable", None)
-    monkeypatch.setattr(records, "_templates", {})
-    monkeypatch.setattr(records._Template, "write", crc_less_differs)
-    assert not records.templates_checked()
+    monkeypatch.setattr(templates, "_templates_usable", None)
+    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(templates.Template, "write", crc_less_differs)
+    with pytest.warns(RuntimeWarning, match="records are written without templates"):
+        assert not templates.templates_checked()
     tensor = torch.randn(9, 9)
     assert record_bytes(tensor, crcs=False) == torch_save_bytes_without_crcs(tensor)
 
@@ -157,14 +163,14 @@ def test_the_template_probe_covers_records_without_crcs(monkeypatch):
 def test_this_torch_passes_the_probe():
     # Otherwise every save silently pays torch's slower CRC-32 (still correct bytes).
     assert torch_private.ZIP_WRITER_AVAILABLE
-    assert records.writer_checked()
+    assert crc_stream.writer_checked()
 
 
 def test_a_process_wide_crc_switch_is_neither_needed_nor_changed():
     # Another thread's torch.save must keep its CRCs while statereg writes without torch's:
     # statereg never flips torch's process-wide switch; its own records carry CRCs anyway.
     tensor = torch.randn(500)
-    assert records.writer_checked()  # the probe ran before the switch was turned off
+    assert crc_stream.writer_checked()  # the probe ran before the switch was turned off
     torch.serialization.set_crc32_options(False)
     try:
         ours = record_bytes(tensor)
@@ -174,7 +180,7 @@ def test_a_process_wide_crc_switch_is_neither_needed_nor_changed():
     assert ours == torch_save_bytes(tensor)
 
 
-def test_records_written_from_many_threads_at_once_are_all_right():
+def test_records_written_from_many_threads_at_once_are_all_right(record_code):
     tensors = [torch.randn(5000 + i % 2) for i in range(16)]  # two templates, eight uses
     results: dict[int, bytes] = {}
 
@@ -197,7 +203,7 @@ def other_data(tensor: torch.Tensor, seed: int) -> torch.Tensor:
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8,
                             generator=torch.Generator().manual_seed(seed)))
     if raw.numel() >= 8 and seed % 2:  # the payload starts like a data descriptor
-        raw[:4] = torch.tensor(list(records._DESCRIPTOR), dtype=torch.uint8)
+        raw[:4] = torch.tensor(list(layout.DESCRIPTOR), dtype=torch.uint8)
     return other
 
 
@@ -206,7 +212,7 @@ def other_data(tensor: torch.Tensor, seed: int) -> torch.Tensor:
 def test_a_layouts_template_writes_torch_saves_bytes_for_any_data(name, sliced, monkeypatch):
     # The template is made from the first record of a layout; every later tensor of that
     # layout, whatever its bytes (one that starts like a descriptor too), gets torch.save's.
-    monkeypatch.setattr(records, "_templates", {})
+    monkeypatch.setattr(templates, "_templates", {})
     first = TENSORS[name]()
     assert record_bytes(first, sliced) == torch_save_bytes(first)
     for seed in range(4):
@@ -216,69 +222,71 @@ def test_a_layouts_template_writes_torch_saves_bytes_for_any_data(name, sliced, 
 
 
 def test_only_a_layouts_first_record_runs_torchs_writer(monkeypatch):
-    assert records.templates_checked()  # the probe's own records are not counted
+    assert templates.templates_checked()  # the probe's own records are not counted
     made = []
-    real = records._save_crc_records
+    real = crc_stream.save_crc_records
 
     def counted(tensor, out, sliced, crcs=True):
         made.append(tuple(tensor.shape))
         real(tensor, out, sliced, crcs)
 
-    monkeypatch.setattr(records, "_templates", {})
-    monkeypatch.setattr(records, "_save_crc_records", counted)
+    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(crc_stream, "save_crc_records", counted)
     tensors = [torch.randn(64, 3), torch.randn(64, 3), torch.randn(3, 64), torch.randn(64, 3)]
     assert [record_bytes(t) for t in tensors] == [torch_save_bytes(t) for t in tensors]
     assert made == [(64, 3), (3, 64)]
-    big = torch.randn(records._TEMPLATED_UP_TO // 4 + 1)  # past the limit: no template
+    big = torch.randn(templates.TEMPLATED_UP_TO // 4 + 1)  # past the limit: no template
     assert record_bytes(big) == torch_save_bytes(big)
-    assert made[-1] == tuple(big.shape) and len(records._templates) == 2
+    assert made[-1] == tuple(big.shape) and len(templates._templates) == 2
 
 
 def test_a_torch_whose_records_hold_more_data_dependent_bytes_gets_no_templates(monkeypatch):
     # The probe writes a second tensor of each probe's layout through its template: were the
     # records to depend on the data anywhere else, templates would stay off for the process.
-    real_write = records._Template.write
+    real_write = templates.Template.write
 
     def other_bytes(self, tensor, out, sliced):
         real_write(self, tensor, out, sliced)
         out.write(b"!")
 
-    monkeypatch.setattr(records, "_templates_usable", None)
-    monkeypatch.setattr(records, "_templates", {})
-    monkeypatch.setattr(records._Template, "write", other_bytes)
-    assert not records.templates_checked()
+    monkeypatch.setattr(templates, "_templates_usable", None)
+    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(templates.Template, "write", other_bytes)
+    with pytest.warns(RuntimeWarning, match="records are written without templates"):
+        assert not templates.templates_checked()
     tensors = [torch.randn(7, 7), torch.randn(7, 7)]
     assert [record_bytes(t) for t in tensors] == [torch_save_bytes(t) for t in tensors]
-    assert records._templates == {}
+    assert templates._templates == {}
 
 
 def test_a_record_not_shaped_as_expected_keeps_its_layout_on_the_plain_path(monkeypatch):
-    assert records.templates_checked()
+    assert templates.templates_checked()
 
     def unexpected(self, record, payload, crcs=True):  # e.g. a torch writing two storages
-        raise records._Unexpected("one storage record and a serialization id")
+        raise layout.Unexpected("one storage record and a serialization id")
 
-    monkeypatch.setattr(records, "_templates", {})
-    monkeypatch.setattr(records._Template, "__init__", unexpected)
+    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(templates.Template, "__init__", unexpected)
     tensors = [torch.randn(7, 7), torch.randn(7, 7)]
     assert [record_bytes(t) for t in tensors] == [torch_save_bytes(t) for t in tensors]
-    assert list(records._templates.values()) == [None]
+    assert list(templates._templates.values()) == [None]
 
 
 def test_this_torch_passes_the_template_probe():
     # Otherwise every save pays torch's pickler and CrcRecords for every tensor again.
-    assert records.templates_checked()
+    assert templates.templates_checked()
 
 
 @pytest.mark.parametrize("change", ["names missing", "bytes differ"])
 def test_a_torch_whose_writer_differs_gets_torch_save_itself(monkeypatch, change):
-    monkeypatch.setattr(records, "_checked", None)
+    monkeypatch.setattr(crc_stream, "_checked", None)
     if change == "names missing":
         monkeypatch.setattr(torch_private, "ZIP_WRITER_AVAILABLE", False)
     else:  # the writer records drives aligns storages otherwise than torch.save's
         monkeypatch.setattr(torch_private, "zip_writer_without_crc",
                             lambda buffer: torch._C.PyTorchFileWriter(buffer, False, 4096))
-    assert not records.writer_checked()
+    with pytest.warns(RuntimeWarning, match="every record is written by torch.save itself"):
+        assert not crc_stream.writer_checked()
 
     def refused(*args):
         raise AssertionError("the CRC-less writer ran after the probe failed")
@@ -308,12 +316,12 @@ class FailingSink(io.RawIOBase):
 
 
 @pytest.mark.parametrize("sliced", [True, False], ids=["sliced", "whole"])
-def test_a_failing_stream_raises_its_error_and_the_next_record_is_whole(sliced):
+def test_a_failing_stream_raises_its_error_and_the_next_record_is_whole(sliced, record_code):
     # torch's writer, dropped unfinished, would write its end of file from a destructor: a
     # second error there aborts the process. The error is the stream's, and nothing breaks.
     tensor = torch.randn(1 << 18)
     with pytest.raises(OSError, match="No space left"):
-        records.save_record(tensor, FailingSink(at=64 * 1024), sliced=sliced)
+        torchsave.save_record(tensor, FailingSink(at=64 * 1024), sliced=sliced)
     assert record_bytes(tensor) == torch_save_bytes(tensor)
 
 
@@ -325,12 +333,12 @@ def test_a_failing_stream_raises_its_error_and_the_next_record_is_whole(sliced):
 ])
 def test_pieces_out_of_order_are_a_statereg_error_naming_what_was_expected(pieces, expected):
     sink = io.BytesIO()
-    stream = records.CrcRecords(sink, payload=4)
+    stream = crc_stream.CrcRecords(sink, payload=4)
     with pytest.raises(StateregError, match=f"did not write {expected}.*Report this"):
         for piece in pieces:
             stream.write(piece)
     with pytest.raises(StateregError, match="the central directory"):
-        records.CrcRecords(sink, payload=4).finish()
+        crc_stream.CrcRecords(sink, payload=4).finish()
 
 
 def test_without_isal_the_standard_library_crc_writes_the_same_bytes():
@@ -338,11 +346,12 @@ def test_without_isal_the_standard_library_crc_writes_the_same_bytes():
         import io, sys, zlib
         sys.modules["isal"] = sys.modules["isal.isal_zlib"] = None
         import torch
-        from statereg.dcp import records
-        assert records.crc32 is zlib.crc32
+        from statereg.dcp import torchsave
+        from statereg.dcp.torchsave import layout
+        assert layout.crc32 is zlib.crc32
         t = torch.randn(70000)
         a, b = io.BytesIO(), io.BytesIO()
-        torch.save(t, a); records.save_record(t, b)
+        torch.save(t, a); torchsave.save_record(t, b)
         print(a.getvalue() == b.getvalue())
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -377,7 +386,7 @@ def test_a_record_past_4_gib_is_zip64_and_still_torch_saves_bytes():
     tensor = torch.ones((1 << 32) + 4096, dtype=torch.uint8)
     theirs, ours = DigestSink(), DigestSink()
     torch.save(tensor, theirs)
-    records.save_record(tensor, ours)
+    torchsave.save_record(tensor, ours)
     assert ours.length == theirs.length > 1 << 32
     assert ours.hasher.intdigest() == theirs.hasher.intdigest()
 
@@ -402,11 +411,32 @@ def test_tensors_other_than_plain_ones_are_written_by_torch_save(monkeypatch, ki
 
 
 def test_a_process_that_turned_crcs_off_before_its_first_save_keeps_torch_save(monkeypatch):
-    monkeypatch.setattr(records, "_checked", None)
+    monkeypatch.setattr(crc_stream, "_checked", None)
     torch.serialization.set_crc32_options(False)
     try:
-        assert not records.writer_checked()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # what the process asked for: nothing to warn of
+            assert not crc_stream.writer_checked()
         tensor = torch.randn(300)
         assert record_bytes(tensor) == torch_save_bytes(tensor)
     finally:
         torch.serialization.set_crc32_options(True)
+
+
+def test_this_torch_passes_the_add_crcs_probe():
+    # Otherwise every drain from memory pays torch.load and torch.save for every record.
+    assert crcs.crcs_checked()
+
+
+def test_a_torch_whose_serialization_id_folds_otherwise_gets_crcs_from_torch(monkeypatch):
+    # A torch that forms the id's second half another way: the probe notices, warns once,
+    # and every record is then torch.load'ed and torch.save'd, torch.save's bytes still.
+    monkeypatch.setattr(crcs, "_crcs_usable", None)
+    monkeypatch.setattr(crcs, "hash_combine", lambda seed, value: seed)
+    with pytest.warns(RuntimeWarning, match="CRC-32s are added by torch.load and torch.save"):
+        assert not crcs.crcs_checked()
+    tensor = torch.randn(300)
+    record = torch_save_bytes_without_crcs(tensor)
+    out = io.BytesIO()
+    torchsave.add_crcs(io.BytesIO(record), 0, len(record), out, xxhash.xxh3_64())
+    assert out.getvalue() == torch_save_bytes(tensor)
