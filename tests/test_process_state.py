@@ -153,7 +153,8 @@ def test_every_entry_is_live_state_with_a_reason_and_named_in_the_design():
 
 def test_clearing_empties_the_caches_a_save_and_load_filled(make_spec, make_model, tmp_path):
     from statereg.backends import local, registry
-    from statereg.dcp import codec, metadata, reader, records, torchsave
+    from statereg.dcp import codec, metadata, reader
+    from statereg.dcp.torchsave import crc_stream, read, templates
 
     spec = make_spec("model", "optimizer", storage={"compression": "zstd"})
     model = make_model(seed=0)
@@ -166,10 +167,10 @@ def test_clearing_empties_the_caches_a_save_and_load_filled(make_spec, make_mode
     memory = registry.open_backend(f"memory://{tmp_path.name}")
     memory.write_bytes("probe", b"x")
     filled = {"load plans": reader._load_plans, "checked .metadata": metadata._checked_digests,
-              "walks": torchsave._walks, "templates": records._templates,
+              "walks": read._walks, "templates": templates._templates,
               "fsspec": type(memory.fs)._cache}
     assert all(filled.values()), filled
-    assert local._in_memory.cache_info().currsize and records._checked is True
+    assert local._in_memory.cache_info().currsize and crc_stream._checked is True
     assert codec._local.compressors  # this thread's zstd compressors
     backends = dict(registry._BACKENDS)
 
@@ -177,7 +178,7 @@ def test_clearing_empties_the_caches_a_save_and_load_filled(make_spec, make_mode
 
     assert not any(filled.values()), filled
     assert not local._in_memory.cache_info().currsize
-    assert records._checked is None and not hasattr(codec._local, "compressors")  # asked anew
+    assert crc_stream._checked is None and not hasattr(codec._local, "compressors")  # asked anew
     assert reader._load_plans is filled["load plans"]  # cleared in place, not replaced
     assert "statereg.dcp.reader._load_plans" in cleared
     kept = {entry.name for entry in process_state.registered() if entry.kept}
