@@ -22,6 +22,7 @@ from statereg.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from statereg.backends.base import StorageBackend
+    from statereg.backends.capabilities import StoreCapabilities
 
 # Files are verified in blocks of this size, so memory stays bounded whatever a file holds.
 VERIFY_BLOCK = 8 << 20
@@ -132,12 +133,8 @@ class VerifiedReads:
         self.records = records
 
     @property
-    def default_io_threads(self) -> int:
-        return self._backend.default_io_threads
-
-    @property
-    def broadcast_reads(self) -> bool:
-        return self._backend.broadcast_reads
+    def capabilities(self) -> StoreCapabilities:
+        return self._backend.capabilities
 
     def display(self, path: str = "") -> str:
         return self._backend.display(path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import dataclasses
 import errno
 import fcntl
 import functools
@@ -36,11 +37,11 @@ import numpy as np
 
 from statereg.backends.base import (
     EXCLUSIVE_WRITE,
-    WRITE_AROUND_CACHE,
     PositionedReads,
     StorageBackend,
     StoredFile,
 )
+from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import HashingWriter, WrittenFile
 from statereg.errors import CorruptCheckpointError, StorageError
 
@@ -75,9 +76,9 @@ _FITS_SHARE = 0.5
 # read it with O_DIRECT or started a read-ahead over all of it (a warm 1.4 GB load took 0.50 s,
 # not 0.36).
 _MOSTLY_CACHED = 0.98
-# A file written around the page cache (`WRITE_AROUND_CACHE`: compressed data) goes to disk
-# with O_DIRECT from page-aligned buffers of this size, this many written at once per file
-# (`_DirectFile`); up to `_KEPT_ALIGNED` buffers are kept for the next files.
+# A file written around the page cache (`for_writing(around_cache=True)`: compressed data)
+# goes to disk with O_DIRECT from page-aligned buffers of this size, this many written at once
+# per file (`_DirectFile`); up to `_KEPT_ALIGNED` buffers are kept for the next files.
 _DIRECT_WRITE_CHUNK = 4 * 1024 * 1024
 _DIRECT_WRITES_AHEAD = 2
 _KEPT_ALIGNED = 12
@@ -269,7 +270,7 @@ _ALIGNED = _AlignedBuffers()
 
 
 class _DirectFile:
-    """The sink of a file written around the page cache (`WRITE_AROUND_CACHE`).
+    """The sink of a file written around the page cache (`for_writing(around_cache=True)`).
 
     Bytes are gathered into page-aligned buffers, and a thread of the file's own writes each
     full one with O_DIRECT, `_DIRECT_WRITES_AHEAD` at once, so the disk works while the
@@ -653,14 +654,23 @@ class LocalBackend(StorageBackend):
                         "shared root, another user's entry)")
     # A local folder has no credentials: what failed is the filesystem.
     failure_hint = "The filesystem reported it: check the disk and its mount"
-    # Compressed saves write one component at a time here (base.py).
-    parallel_compressed_components = False
+    kind = StoreCapabilities("local-disk", "disk", page_cache=True)
     # storage.read_cache (`open_backend` sets it): whether the page cache keeps what loads
     # read and saves write (`keeps_pages`).
     read_cache: ReadCache = "auto"
     # Whether the pages of the load reading through this backend stay cached, decided for
     # all its bytes at once (`for_reading`); None: for each file's own size.
     _load_keeps: bool | None = None
+    # Whether files opened for writing go around the page cache (`for_writing`).
+    _write_around = False
+
+    @classmethod
+    def capabilities_at(cls, url: str) -> StoreCapabilities:
+        """A local disk; a path on a tmpfs (or ramfs) is memory, with no cache to go around."""
+        path = url[len("file://"):] if url.startswith("file://") else url
+        if _in_memory(os.path.abspath(os.path.expanduser(path))):
+            return dataclasses.replace(cls.kind, latency="memory", page_cache=False)
+        return cls.kind
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         path = url[len("file://"):] if url.startswith("file://") else url
@@ -758,6 +768,16 @@ class LocalBackend(StorageBackend):
 
     # -- writing ------------------------------------------------------------------------
 
+    def for_writing(self, around_cache: bool) -> LocalBackend:
+        """This backend for one writer: with `around_cache` (the I/O policy's, for compressed
+        data) its files go to disk with O_DIRECT (`_DirectFile`), except on a root in memory,
+        where the cache is the store."""
+        if not around_cache or _in_memory(self.root):
+            return self
+        writing = copy.copy(self)
+        writing._write_around = True
+        return writing
+
     def open_write(self, path: str, on_done: Callable[[WrittenFile], None] | None = None,
                    ) -> HashingWriter:
         full = self.full_path(path)
@@ -768,7 +788,7 @@ class LocalBackend(StorageBackend):
             mapped = self._mapped_writer(path, fd, on_done)
             if mapped is not None:
                 return mapped
-            if self._around_cache() and _set_direct(fd, True):
+            if self._write_around and _set_direct(fd, True):
                 return self._direct_writer(path, full, fd, on_done)
             sink = _WritebackFile(
                 open(fd, "wb", buffering=_BUFFER),  # noqa: SIM115 - closed by the writer
@@ -794,13 +814,6 @@ class LocalBackend(StorageBackend):
                 _fsync_dir(os.path.dirname(full))
 
         return HashingWriter(path, sink, durable, on_done)
-
-    def _around_cache(self) -> bool:
-        """Whether the file being opened goes around the page cache: its writer asked
-        (`WRITE_AROUND_CACHE`), the policy does not keep every page (`read_cache: keep`), and
-        the root is a disk (in memory the cache is the store)."""
-        return (WRITE_AROUND_CACHE.get() and self.read_cache != "keep"
-                and not _in_memory(self.root))
 
     def _direct_writer(self, path: str, full: str, fd: int,
                        on_done: Callable[[WrittenFile], None] | None) -> HashingWriter:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from statereg import env
+from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import HashingWriter, WrittenFile
 from statereg.backends.local import LocalBackend
 from statereg.backends.mappings import MappedFile, Mappings
@@ -52,19 +53,6 @@ RECYCLED = ".recycled"
 _OVERWRITE = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 # A new or emptied file, readable by this user only (LocalBackend's, with mode 0600).
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def memory_writers() -> int:
-    """Files a rank writes (and reads) at once in memory: this process's cores shared among
-    the node's ranks, 2 to 8. A memory save is CPU work (copy, hash), so it scales with the
-    cores it may use: 2 on a 2-core machine, 8 for one rank on a 16-core node (a 2 GB save
-    there took 5.1x a memory copy with 2 writers, 2.4x with 8; benchmarks/results/journal.md,
-    "Memory saves on 16 cores")."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 2
-    return max(2, min(8, cpus // env.local_world_size()))
 
 
 def shm_dir() -> str:
@@ -236,17 +224,9 @@ class SharedMemoryBackend(LocalBackend):
     """Checkpoints in this node's shared memory (`shm://NAME`)."""
 
     schemes = ("shm",)
-    # Every rank of a node reads the tmpfs at memory speed: a broadcast over gloo's TCP
-    # would be the slow path (bench_replica.py: a restore took 1.5x longer with it).
-    broadcast_reads = False
-    # Records without zip CRC-32s (torch.save's `set_crc32_options(False)` form): in memory
-    # every item is checked by its xxh3 digest, and the CRC pass cost 0.2-0.3x a memory copy
-    # of the save (benchmarks/results/journal.md, "Memory saves into kept mappings, without
-    # CRC-32s").
-    record_crcs = False
-    # One component after another, each with its io_threads writers: a 0.5 GB save on two
-    # cores took 2.4-2.6x a memory copy with both components' four writers at once, 2.2x so.
-    parallel_components = False
+    # The node's memory: how to use it (no broadcast reads, no zip CRC-32s, one component
+    # at a time, its files written at once) is engine/io_policy.py's.
+    kind = StoreCapabilities("node-memory", "memory")
     # Whether a retired checkpoint's pages are written over by the next save instead of
     # being freed and allocated again (`remove_tree`); the memory tier opens its folder with
     # `recycle=True`.
@@ -256,7 +236,6 @@ class SharedMemoryBackend(LocalBackend):
                  recycle: bool = False) -> None:
         super().__init__(url, options)
         self.recycle = recycle
-        self._writers = memory_writers()
         # The mappings this process writes recycled files through (mappings.py).
         self._mappings = Mappings()
         # Whether every folder down to the root exists and is this user's (`check_private`):
@@ -264,11 +243,9 @@ class SharedMemoryBackend(LocalBackend):
         # operation until the whole chain exists.
         self._private = check_private(self.root, create=False)
 
-    # storage.io_threads, when unset, for memory roots; a property over StorageBackend's class
-    # attribute (this store's default depends on the instance):
-    @property
-    def default_io_threads(self) -> int:  # type: ignore[override]
-        return self._writers
+    @classmethod
+    def capabilities_at(cls, url: str) -> StoreCapabilities:
+        return cls.kind
 
     def make_private(self) -> None:
         """Create the root (each missing folder 0700) and check the chain down to it."""

@@ -68,7 +68,7 @@ class BackendReader(FileSystemReader):
     fs: BackendFileSystem  # type: ignore[assignment]
     path: str  # BackendFileSystem.init_path returns a str
 
-    def __init__(self, backend: ReadableStore, path: str, thread_count: int | None = None,
+    def __init__(self, backend: ReadableStore, path: str, thread_count: int = 2,
                  records: Mapping[str, Recorded] | None = None) -> None:
         super().__init__(path)
         if records is None and isinstance(backend, VerifiedReads):
@@ -76,7 +76,8 @@ class BackendReader(FileSystemReader):
         sizes = {p: r.size for p, r in records.items()} if records is not None else None
         self.fs = BackendFileSystem(backend, sizes=sizes)
         self.path = path
-        self.thread_count = thread_count or backend.default_io_threads
+        # Files read at once: the I/O policy's read_threads (engine/io_policy.py).
+        self.thread_count = thread_count
         self.records = records
         self._backend = backend
         self._metadata_bytes: bytes | None = None

@@ -11,9 +11,11 @@ import os
 import threading
 from collections.abc import Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 from typing import Any
 
 from statereg.backends.base import StoredFile
+from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import Recorded, verify_stream
 from statereg.backends.local import temporary_name
 from statereg.backends.shm import (
@@ -79,18 +81,25 @@ class NodeMemoryBackend(SharedMemoryBackend):
         super().__init__(url)
         self.peers = list(peers or [])
         self.holders: dict[str, tuple[int, list[int]]] = {}
-        self.broadcast_reads = False
+        # Whether some file of the step being loaded is on peers only (`locate`).
+        self.on_peers = False
         self._found: dict[str, PeerBackend] = {}
         self._lock = threading.Lock()
 
-    def locate(self, holders: dict[str, tuple[int, list[int]]], broadcast_reads: bool) -> None:
+    def locate(self, holders: dict[str, tuple[int, list[int]]], on_peers: bool) -> None:
         """What a restore found (tiers/restore.py, alike on every rank): which peers hold
-        each file of the step it loads, and whether ranks broadcast what one of them reads
-        (where some node lacks a file) instead of each reading its own node's memory."""
+        each file of the step it loads, and whether some node lacks a file (`on_peers`):
+        then reads cross the network (`capabilities`), and the I/O policy has ranks
+        broadcast what one of them reads instead of each reading its own node's memory."""
         with self._lock:
             self.holders = dict(holders)
             self._found.clear()
-        self.broadcast_reads = broadcast_reads
+        self.on_peers = on_peers
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        """Node memory; of network latency while some file is on peers only."""
+        return replace(self.kind, latency="network") if self.on_peers else self.kind
 
     def _read_from(self, path: str) -> PeerBackend | None:
         """None if this node has `path`, else a peer that has it; None (this node, whose

@@ -27,7 +27,6 @@ from torch import nn
 
 import statereg
 from statereg.backends import local, open_backend
-from statereg.backends.base import WRITE_AROUND_CACHE
 from statereg.backends.checksum import WrittenFile, checksum_of, new_hasher
 from statereg.backends.local import _in_memory, keeps_pages
 from statereg.errors import StorageError
@@ -300,15 +299,6 @@ def test_compressed_data_files_are_written_around_the_cache_unless_kept(root, po
         assert all(count == pages for count, pages in map(resident, files))
 
 
-@contextlib.contextmanager
-def around_cache() -> Iterator[None]:
-    token = WRITE_AROUND_CACHE.set(True)
-    try:
-        yield
-    finally:
-        WRITE_AROUND_CACHE.reset(token)
-
-
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, local._DIRECT_WRITE_CHUNK - 1,
                                   local._DIRECT_WRITE_CHUNK, 3 * local._DIRECT_WRITE_CHUNK + 123])
 def test_a_file_written_around_the_cache_holds_exactly_its_bytes(root, size):
@@ -316,9 +306,8 @@ def test_a_file_written_around_the_cache_holds_exactly_its_bytes(root, size):
     cuts = sorted(np.random.default_rng(size + 1).integers(0, size + 1, 7).tolist())
     pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, size], strict=True)]
     reported: list[WrittenFile] = []
-    backend = open_backend(str(root))
-    with around_cache():
-        writer = backend.open_write("f.distcp", reported.append)
+    backend = open_backend(str(root)).for_writing(around_cache=True)
+    writer = backend.open_write("f.distcp", reported.append)
     for piece in pieces:
         writer.write(piece)
     writer.close()
@@ -343,9 +332,8 @@ def test_a_filesystem_that_refuses_a_direct_write_gets_it_buffered(root, monkeyp
 
     monkeypatch.setattr(local.os, "pwrite", picky)
     data = os.urandom(2 * local._DIRECT_WRITE_CHUNK + 5)
-    backend = open_backend(str(root))
-    with around_cache():
-        writer = backend.open_write("f.distcp")
+    backend = open_backend(str(root)).for_writing(around_cache=True)
+    writer = backend.open_write("f.distcp")
     writer.write(data)
     writer.close()
     assert (root / "f.distcp").read_bytes() == data

@@ -12,6 +12,7 @@ from statereg.backends.base import ReadableStore, StorageBackend
 from statereg.backends.checksum import FileRecorder
 from statereg.dcp.codec import CompressionSettings
 from statereg.dcp.writer import WriteReport
+from statereg.engine.io_policy import IOPolicy
 from statereg.engine.plan import LoadTask, Task
 from statereg.engine.world import World
 from statereg.errors import SpecError
@@ -56,6 +57,7 @@ class WriteContext:
     world: World
     recorder: FileRecorder
     compression: CompressionSettings | None
+    io: IOPolicy  # how this store is written (engine/io_policy.py)
     reuse: Callable[[str], Any] | None = None  # directory -> what an incremental save reuses
 
 
@@ -73,6 +75,7 @@ class ReadContext:
     name: str
     world: World
     records: Mapping[str, FileRecord] | None
+    io: IOPolicy  # how this store is read (engine/io_policy.py)
     strict: bool = True
 
     def read_once(self, path: str, collective: str | None) -> bytes:
