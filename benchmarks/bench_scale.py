@@ -92,8 +92,9 @@ from torch.distributed.checkpoint.planner_helpers import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from statereg import load_spec
-from statereg.backends.checksum import FileRecorder, VerifiedReads, WrittenFile
+from statereg.backends.checksum import FileRecorder, WrittenFile
 from statereg.backends.memory import MemoryBackend
+from statereg.backends.verified import VerifiedReads
 from statereg.dcp.planner import StateregSavePlanner, plan_digest
 from statereg.dcp.reports import ItemReports, pack_results, unpack_results
 from statereg.dcp.torch_private import storage_info

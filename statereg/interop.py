@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from statereg.backends.base import ReadableStore, StorageBackend
-from statereg.backends.checksum import VerifiedReads
 from statereg.backends.registry import open_backend, url_scheme
+from statereg.backends.verified import VerifiedReads
 from statereg.dcp import METADATA_NAME
 from statereg.engine.by_url import open_checkpoint, split_checkpoint_url
 from statereg.engine.io_policy import io_policy

@@ -259,7 +259,7 @@ class ReadableStore(Protocol):
     """What a load reads a checkpoint through: the layouts, DCP's readers (BackendReader,
     GroupReader, BackendFileSystem's reads) and the model-file readers (safetensors, torch
     files) call these and nothing else. A StorageBackend meets it, and so does
-    checksum.VerifiedReads, which checks each whole-file read against the manifest."""
+    verified.VerifiedReads, which checks each whole-file read against the manifest."""
 
     @property
     def capabilities(self) -> StoreCapabilities:

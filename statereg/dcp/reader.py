@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from statereg.backends.base import ReadableStore, StorageBackend
-from statereg.backends.checksum import Recorded, VerifiedReads, verify_stream
+from statereg.backends.checksum import Recorded, verify_stream
+from statereg.backends.verified import VerifiedReads
 from statereg.dcp import METADATA_NAME, codec, torchsave
 from statereg.dcp.device_reads import DeviceLanding
 from statereg.dcp.fs import BackendFileSystem, normalize_path

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from statereg.backends.base import ReadableStore, StorageBackend
-from statereg.backends.checksum import VerifiedReads
+from statereg.backends.verified import VerifiedReads
 from statereg.engine.checkpoints import Committed
 from statereg.engine.io_policy import storage_policy
 from statereg.engine.layouts import LAYOUTS, KeyReport, ReadContext

@@ -26,12 +26,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import (
     FileRecorder,
-    VerifiedReads,
     WrittenFile,
     missing,
     verify_stream,
 )
 from statereg.backends.local import LocalBackend
+from statereg.backends.verified import VerifiedReads
 from statereg.dcp import METADATA_NAME
 from statereg.dcp.codec import CompressionSettings
 from statereg.dcp.metadata import ITEM_CHECKSUMS, gc_paused, item_checksums, load_dcp_metadata

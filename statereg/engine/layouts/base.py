@@ -67,7 +67,7 @@ class ReadContext:
 
     `records` are the manifest's files by path from the root (the checkpoint's own and the
     ones it references), or None with verify="off". With records, `backend` checks every
-    whole-file read against them (checksum.VerifiedReads) and DCP readers check each item as
+    whole-file read against them (verified.VerifiedReads) and DCP readers check each item as
     it is read; they also spare a size request per file.
     """
 
