@@ -34,6 +34,7 @@ from typing import Any
 from statereg import env
 from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import HashingWriter, WrittenFile
+from statereg.backends.kernel import filesystem_type
 from statereg.backends.local import LocalBackend
 from statereg.backends.mappings import MappedFile, Mappings
 from statereg.errors import SpecError, StorageError
@@ -99,27 +100,6 @@ def private_dir() -> str:
 def node_dir() -> str:
     """This node's folder of memory roots: `<shm>/statereg-<uid>/<node>`."""
     return os.path.join(private_dir(), node_name())
-
-
-def filesystem_type(path: str) -> str | None:
-    """The type of the filesystem mounted at `path` or above it (/proc/self/mountinfo)."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mounts:
-            lines = mounts.read().splitlines()
-    except OSError:
-        return None
-    real = os.path.realpath(path)
-    best, found = -1, None
-    for line in lines:
-        fields = line.split()
-        if " - " not in line or len(fields) < 5:
-            continue
-        point = fields[4].replace("\\040", " ")
-        after = line.split(" - ", 1)[1].split()
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > best and after:
-            best, found = len(point), after[0]
-    return found
 
 
 def _warn_if_not_memory(base: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import xxhash
 
-from statereg.backends.local import available_memory
+from statereg.backends.kernel import available_memory
 from statereg.dcp import records, torch_private
 from statereg.errors import StateregError
 
