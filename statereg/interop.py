@@ -21,8 +21,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from statereg.backends.base import ReadableStore, StorageBackend
+from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend, url_scheme
+from statereg.backends.stores import ReadableStore
 from statereg.backends.verified import VerifiedReads
 from statereg.dcp import METADATA_NAME
 from statereg.engine.by_url import open_checkpoint, split_checkpoint_url

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import IO, Any, ClassVar, Protocol, cast
+from typing import IO, Any, ClassVar, cast
 
 import fsspec
 import fsspec.asyn
@@ -253,43 +253,6 @@ _ENTRY_CODES = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EL
 # What a failed storage call most often needs, unless its error says otherwise.
 _CHECK_ACCESS = ("Check that the storage is reachable and the credentials in storage.options "
                  "allow it")
-
-
-class ReadableStore(Protocol):
-    """What a load reads a checkpoint through: the layouts, DCP's readers (BackendReader,
-    GroupReader, BackendFileSystem's reads) and the model-file readers (safetensors, torch
-    files) call these and nothing else. A StorageBackend meets it, and so does
-    verified.VerifiedReads, which checks each whole-file read against the manifest."""
-
-    @property
-    def capabilities(self) -> StoreCapabilities:
-        """What kind of store this is; the engine's I/O policy is derived from it."""
-        ...
-
-    def display(self, path: str = "") -> str:
-        """The file's URL, for messages."""
-        ...
-
-    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
-        """The whole file (at most its first `limit` bytes); FileNotFoundError if missing."""
-        ...
-
-    def open_read(self, path: str, size: int | None = None,
-                  ) -> contextlib.AbstractContextManager[IO[bytes]]:
-        """A seekable stream over the whole file."""
-        ...
-
-    def for_reading(self, nbytes: int) -> StorageBackend:
-        """The backend one load that reads `nbytes` in all reads its byte ranges through."""
-        ...
-
-    def exists(self, path: str) -> bool:
-        """Whether the file exists."""
-        ...
-
-    def list_dir(self, path: str = "") -> list[str]:
-        """Names of the entries directly under `path`; empty if it does not exist."""
-        ...
 
 
 class StorageBackend:

@@ -17,7 +17,7 @@ class VerifiedReads:
 
     `read_bytes` of a file the manifest records reads at most one byte more than its
     recorded size and raises CorruptCheckpointError (naming the file) on any difference,
-    before the caller sees the bytes; the rest of `base.ReadableStore`, what readers call,
+    before the caller sees the bytes; the rest of `stores.ReadableStore`, what readers call,
     is the backend's own. The engine hands this to the layouts at load time, so every reader
     of whole files (object state, sidecars, DCP metadata, torch and safetensors model files)
     is verified without knowing. DCP items are read in ranges through `for_reading`'s

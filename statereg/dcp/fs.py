@@ -15,8 +15,9 @@ from contextlib import contextmanager
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from statereg.backends.base import ReadableStore, StorageBackend
+from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, HashingWriter
+from statereg.backends.stores import ReadableStore
 from statereg.errors import CorruptCheckpointError
 
 

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from statereg.backends.base import ReadableStore, StorageBackend
 from statereg.backends.checksum import Recorded, verify_stream
+from statereg.backends.stores import ReadableStore, ReadOnlyStore
 from statereg.backends.verified import VerifiedReads
 from statereg.dcp import METADATA_NAME, codec, torchsave
 from statereg.dcp.device_reads import DeviceLanding
@@ -148,7 +148,7 @@ class BackendReader(FileSystemReader):
             raise self._unreadable(req, exc) from None
         return target, torchsave.byte_view(target)
 
-    def _read_file(self, backend: StorageBackend, relative_path: str, items: list[ReadItem],
+    def _read_file(self, backend: ReadOnlyStore, relative_path: str, items: list[ReadItem],
                    planner: LoadPlanner, landing: DeviceLanding,
                    targets: Mapping[int, _Target | None]) -> None:
         """DCP's per-file read, except only the items' bytes are fetched (one ranged read per

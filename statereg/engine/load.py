@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from statereg.backends.base import ReadableStore, StorageBackend
+from statereg.backends.base import StorageBackend
+from statereg.backends.stores import ReadableStore
 from statereg.backends.verified import VerifiedReads
 from statereg.engine.checkpoints import Committed
 from statereg.engine.io_policy import storage_policy

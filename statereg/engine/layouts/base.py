@@ -8,8 +8,9 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from statereg.backends.base import ReadableStore, StorageBackend
+from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder
+from statereg.backends.stores import ReadableStore
 from statereg.dcp.codec import CompressionSettings
 from statereg.dcp.writer import WriteReport
 from statereg.engine.io_policy import IOPolicy

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from statereg.backends.base import ReadableStore
 from statereg.backends.checksum import FileRecorder, WrittenFile
+from statereg.backends.stores import ReadableStore
 from statereg.dcp import METADATA_NAME
 from statereg.dcp.metadata import load_dcp_metadata, metadata_digest
 from statereg.dcp.planner import PLAIN_TENSOR_TYPES, StateregSavePlanner, plan_digest
