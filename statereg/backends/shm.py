@@ -29,12 +29,13 @@ import shutil
 import socket
 import stat
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from statereg import env
 from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import HashingWriter, WrittenFile
-from statereg.backends.kernel import filesystem_type
+from statereg.backends.kernel import filesystem_type, in_memory
 from statereg.backends.local import LocalBackend
 from statereg.backends.mappings import MappedFile, Mappings
 from statereg.errors import SpecError, StorageError
@@ -225,7 +226,14 @@ class SharedMemoryBackend(LocalBackend):
 
     @classmethod
     def capabilities_at(cls, url: str) -> StoreCapabilities:
+        """Node memory (the folder's filesystem is known once the root is: `capabilities`)."""
         return cls.kind
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        """Node memory; with a page cache to go around where $STATEREG_SHM_DIR is no tmpfs
+        (a disk: warned about, and written as a local disk would be)."""
+        return self.kind if in_memory(self.root) else replace(self.kind, page_cache=True)
 
     def make_private(self) -> None:
         """Create the root (each missing folder 0700) and check the chain down to it."""

@@ -99,7 +99,8 @@ class NodeMemoryBackend(SharedMemoryBackend):
     @property
     def capabilities(self) -> StoreCapabilities:
         """Node memory; of network latency while some file is on peers only."""
-        return replace(self.kind, latency="network") if self.on_peers else self.kind
+        here = super().capabilities
+        return replace(here, latency="network") if self.on_peers else here
 
     def _read_from(self, path: str) -> ReadOnlyStore | None:
         """None if this node has `path`, else a peer that has it; None (this node, whose

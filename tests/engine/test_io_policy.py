@@ -14,6 +14,7 @@ from statereg.backends.azure import AzureBackend
 from statereg.backends.base import StorageBackend
 from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.gcs import GCSBackend
+from statereg.backends.kernel import in_memory
 from statereg.backends.local import LocalBackend
 from statereg.backends.memory import MemoryBackend
 from statereg.backends.registry import open_backend
@@ -35,6 +36,10 @@ BEFORE = {
     "local path on a tmpfs": (LocalBackend.capabilities_at("/dev/shm/run"), 2, True, True,
                               False, True, False),
     "shm://": (SharedMemoryBackend.kind, W, False, False, False, False, False),
+    # $STATEREG_SHM_DIR on a disk (warned about): compressed files went around its cache.
+    "shm:// in a folder on a disk": (dataclasses.replace(SharedMemoryBackend.kind,
+                                                         page_cache=True),
+                                     W, False, False, False, False, True),
     "shm:// with files on peers": (dataclasses.replace(NodeMemoryBackend.kind,
                                                        latency="network"),
                                    W, True, False, False, False, False),
@@ -65,9 +70,14 @@ def test_the_policy_of_each_kind_of_store_is_the_decisions_its_class_held(store:
     assert not io_policy(caps, compressed=compressed, read_cache="keep").write_around_cache
 
 
-def test_an_open_backend_reports_its_kind(tmp_path: Path) -> None:
+def test_an_open_backend_reports_its_kind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          ) -> None:
     assert open_backend("memory://policy").capabilities == MemoryBackend.kind
     assert open_backend("shm://run7/policy").capabilities == SharedMemoryBackend.kind
+    monkeypatch.setenv("STATEREG_SHM_DIR", str(tmp_path))  # a disk, unless /tmp is a tmpfs
+    assert open_backend("shm://run7/policy").capabilities.page_cache is not in_memory(
+        str(tmp_path))
+    monkeypatch.delenv("STATEREG_SHM_DIR")
     assert open_backend(str(tmp_path)).capabilities == LocalBackend.capabilities_at(
         str(tmp_path))
     node = NodeMemoryBackend("shm://run7/policy-peers")
