@@ -92,9 +92,11 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=192)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where the local roots go (default: the system's temp folder)")
     args = parser.parse_args()
     times: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
-    with tempfile.TemporaryDirectory(dir=args.after.resolve()) as work:
+    with tempfile.TemporaryDirectory(dir=args.dir) as work:
         for _ in range(args.rounds):
             for label in ("before", "after"):
                 tree = (args.before if label == "before" else args.after).resolve()
