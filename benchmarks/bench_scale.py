@@ -92,8 +92,9 @@ from torch.distributed.checkpoint.planner_helpers import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from statereg import load_spec
-from statereg.backends.checksum import FileRecorder, VerifiedReads, WrittenFile
+from statereg.backends.checksum import FileRecorder, WrittenFile
 from statereg.backends.memory import MemoryBackend
+from statereg.backends.verified import VerifiedReads
 from statereg.dcp.planner import StateregSavePlanner, plan_digest
 from statereg.dcp.reports import ItemReports, pack_results, unpack_results
 from statereg.dcp.torch_private import storage_info
@@ -104,6 +105,7 @@ from statereg.engine.checkpoints import (
     read_manifest_at,
 )
 from statereg.engine.claims import claim_checkpoint
+from statereg.engine.io_policy import io_policy
 from statereg.engine.layouts.base import Captured
 from statereg.engine.layouts.dcp import GroupReader
 from statereg.engine.load import read_records
@@ -550,6 +552,7 @@ def rank_load(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: int, ra
         verify_files(backend, name, files, "fast")
     records = read_records(manifest, name, names)
     reader = VerifiedReads(backend, records)
+    policy = io_policy(backend.capabilities)
 
     def once(path: str, collective: str | None) -> bytes:
         """ReadContext.read_once: the collective's leader (rank 0 here) reads, others get."""
@@ -570,7 +573,8 @@ def rank_load(backend: CountingMemoryBackend, spec: RegistrySpec, ranks: int, ra
             once(f"{directory}/{SIDECAR_NAME}", task.collective)
         group_reader = GroupReader(reader, directory, records,
                                    once(f"{directory}/{DCP_METADATA_NAME}", task.collective),
-                                   World(), None)
+                                   World(), None, policy.read_threads,
+                                   policy.broadcast_reads)
         md = group_reader.read_metadata()
         group_reader.verify_unchecked(md)
         started = time.process_time()

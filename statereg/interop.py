@@ -21,11 +21,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from statereg.backends.base import ReadableStore, StorageBackend
-from statereg.backends.checksum import VerifiedReads
+from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend, url_scheme
+from statereg.backends.stores import ReadableStore
+from statereg.backends.verified import VerifiedReads
 from statereg.dcp import METADATA_NAME
 from statereg.engine.by_url import open_checkpoint, split_checkpoint_url
+from statereg.engine.io_policy import io_policy
 from statereg.engine.load import KeyReport, LoadResult, missing_as_damage, read_records
 from statereg.engine.report import Progress, describe_rate, format_bytes, format_table
 from statereg.engine.world import World, caught, raise_own
@@ -73,7 +75,7 @@ def open_foreign(backend: StorageBackend, name: str, kind: ForeignKind, prefix: 
                  ) -> TensorSource:
     if kind == "hf":
         return SafetensorsDirectory(backend, name)
-    return DCPDirectory(backend, name, prefix)
+    return DCPDirectory(backend, name, prefix, io_policy(backend.capabilities).read_threads)
 
 
 def prepare_model(source: TensorSource, adapter: ModelAdapter, strict: bool,
@@ -308,7 +310,8 @@ def export_hf(url: str, out_dir: str | os.PathLike[str], *, component: str | Non
                                                         data_dir, [name]))
     source: TensorSource | TorchFile
     if record.format == "dcp":
-        dcp_source = DCPDirectory(verified, directory)
+        dcp_source = DCPDirectory(verified, directory,
+                                  thread_count=io_policy(backend.capabilities).read_threads)
         dcp_source.reader.verify_unchecked(dcp_source.reader.read_metadata())
         source = dcp_source
     else:

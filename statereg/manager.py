@@ -180,7 +180,8 @@ class CheckpointManager:
         _lint(self.spec, self._adapters, self.world.rank)
         self._backend = open_backend(self.spec.storage.url, self.spec.storage.options,
                                      self.spec.storage.read_cache)
-        self.plan: RankPlan = compile_plan(self.spec, self.world.layout, self._backend.url)
+        self.plan: RankPlan = compile_plan(self.spec, self.world.layout, self._backend.url,
+                                           store=self._backend.capabilities)
         self._pending: dict[str, Any] = {}
         # Loaded components whose tensors load in place, waiting for attach(): where from.
         self._deferred: dict[str, _DeferredLoad] = {}

@@ -464,3 +464,15 @@ def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names
             "median_s"], 3)
     assert "| statereg | sync save |" in (out / "s3.md").read_text()
     assert not list(tmp_path.glob("statereg-s3-*"))  # the server's data is removed
+
+
+def test_before_after_times_two_trees_in_one_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    repo = BENCH.parent
+    stdout = run_here(monkeypatch, capsys, tmp_path, "before_after.py", "--before", str(repo),
+                      "--after", str(repo), "--mb", "1", "--reps", "1", "--rounds", "1",
+                      "--dir", str(tmp_path))
+    rows = [line.split("|")[1].strip() for line in stdout.splitlines()[2:]]
+    assert rows == [f"{store} {what}" for store in ("local", "local zstd", "memory://")
+                    for what in ("save", "load")]

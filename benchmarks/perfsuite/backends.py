@@ -28,9 +28,9 @@ import fsspec
 from perfsuite.measure import PageCache, Timing, fresh_dir, measure
 from perfsuite.statereg_io import Saves, spec_for
 from perfsuite.workload import TrainingState
-from statereg.backends.base import StorageBackend
 from statereg.backends.gcs import GCSBackend
 from statereg.backends.s3 import S3Backend
+from statereg.engine.io_policy import DEFAULT_THREADS, io_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from storage_servers import gcs_options, new_bucket, s3_options, start_server
@@ -41,7 +41,8 @@ COMPRESSED_ON = ("s3",)
 _ZSTD = {"codec": "zstd", "level": 3, "float_aware": True}
 
 
-IO_THREADS = {"s3": S3Backend.default_io_threads, "gcs": GCSBackend.default_io_threads}
+IO_THREADS = {"s3": io_policy(S3Backend.kind).write_threads,
+              "gcs": io_policy(GCSBackend.kind).write_threads}
 
 
 @dataclass
@@ -148,7 +149,7 @@ def run(state: TrainingState, work: Path, reps: int, cache: PageCache,
     rows: dict[str, Timing] = {}
     data: dict[str, Any] = {"state_bytes": state.nbytes, "checkpoint_files": {}}
     for kind in kinds:
-        threads = IO_THREADS.get(kind, StorageBackend.default_io_threads)
+        threads = IO_THREADS.get(kind, DEFAULT_THREADS)
         files = checkpoint_files(state, threads)
         data["checkpoint_files"][kind] = len(files)
         data["checkpoint_bytes"] = sum(map(len, files.values()))

@@ -6,6 +6,7 @@ adlfs is imported only when an Azure root is opened, so statereg works without i
 from __future__ import annotations
 
 from statereg.backends.base import StorageBackend, StoredFile
+from statereg.backends.capabilities import StoreCapabilities
 
 
 def _error_codes(error: BaseException) -> set[str]:
@@ -33,8 +34,7 @@ class AzureBackend(StorageBackend):
     # adlfs caches listings by default; another process (a second rank, an evaluator,
     # retention run elsewhere) may have changed the prefix since this one last looked.
     default_options = {"use_listings_cache": False}
-    # Each file is a round trip to the store: keep more of them in flight than on a disk.
-    default_io_threads = 8
+    kind = StoreCapabilities("object-store", "network")
     # adlfs sends mode="create" as an upload with If-None-Match: *; the service refuses it
     # (409 BlobAlreadyExists) if the blob exists, so of two racing writers exactly one wins.
     atomic_create = True

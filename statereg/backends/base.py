@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import contextvars
 import errno
 import hashlib
 import importlib.util
@@ -21,13 +20,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import IO, Any, ClassVar, Protocol, cast
+from typing import IO, Any, ClassVar, cast
 
 import fsspec
 import fsspec.asyn
 import fsspec.spec
 
 from statereg import env
+from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import (
     VERIFY_BLOCK,
     HashingWriter,
@@ -37,14 +37,6 @@ from statereg.backends.checksum import (
 )
 from statereg.errors import SpecError, StorageError
 from statereg.process_state import process_wide
-
-# Set while a caller opens a file it will not read back soon (compressed data: its load is
-# bound by decoding, not reading): a store with a page cache may write it around the cache
-# (local disk: `storage.read_cache`, benchmarks/results/journal.md "Compressed saves around the page
-# cache"). A context variable, not an argument, so that wrappers of `open_write` (fault
-# injection, gates) keep working unchanged.
-WRITE_AROUND_CACHE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "statereg_write_around_cache", default=False)
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # Operations where "not found" is an answer, not a failure.
@@ -269,49 +261,6 @@ _CHECK_ACCESS = ("Check that the storage is reachable and the credentials in sto
                  "allow it")
 
 
-class ReadableStore(Protocol):
-    """What a load reads a checkpoint through: the layouts, DCP's readers (BackendReader,
-    GroupReader, BackendFileSystem's reads) and the model-file readers (safetensors, torch
-    files) call these and nothing else. A StorageBackend meets it, and so does
-    checksum.VerifiedReads, which checks each whole-file read against the manifest."""
-
-    # Read-only properties: a class attribute, an instance attribute or a property meets them.
-    @property
-    def default_io_threads(self) -> int:
-        """Files read at once unless storage.io_threads says otherwise."""
-        ...
-
-    @property
-    def broadcast_reads(self) -> bool:
-        """Whether ranks that need the same bytes have one rank read them and broadcast them."""
-        ...
-
-    def display(self, path: str = "") -> str:
-        """The file's URL, for messages."""
-        ...
-
-    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
-        """The whole file (at most its first `limit` bytes); FileNotFoundError if missing."""
-        ...
-
-    def open_read(self, path: str, size: int | None = None,
-                  ) -> contextlib.AbstractContextManager[IO[bytes]]:
-        """A seekable stream over the whole file."""
-        ...
-
-    def for_reading(self, nbytes: int) -> StorageBackend:
-        """The backend one load that reads `nbytes` in all reads its byte ranges through."""
-        ...
-
-    def exists(self, path: str) -> bool:
-        """Whether the file exists."""
-        ...
-
-    def list_dir(self, path: str = "") -> list[str]:
-        """Names of the entries directly under `path`; empty if it does not exist."""
-        ...
-
-
 class StorageBackend:
     """One checkpoint root. Paths given to methods are relative to the root, '/'-separated.
 
@@ -323,8 +272,9 @@ class StorageBackend:
     schemes: ClassVar[tuple[str, ...]] = ()
     # Options a backend adds under the user's (e.g. no listing cache on shared stores).
     default_options: ClassVar[dict[str, Any]] = {}
-    # Files a rank writes and reads at once unless storage.io_threads says otherwise.
-    default_io_threads: ClassVar[int] = 2
+    # What kind of store this is (facts, not decisions): engine/io_policy.py derives how
+    # to use it. `capabilities_at` refines it for one root.
+    kind: ClassVar[StoreCapabilities] = StoreCapabilities("filesystem", "unknown")
     # Keyword arguments for each `pipe_file` (e.g. the multipart part size).
     upload_options: ClassVar[dict[str, Any]] = {}
     # The fsspec implementation's package and the statereg extra that installs it.
@@ -339,24 +289,6 @@ class StorageBackend:
     probe_exclusive: ClassVar[bool] = True
     # What the store calls the top level of a URL, in messages.
     bucket_word: ClassVar[str] = "bucket"
-    # Whether ranks that need the same bytes should have one rank read them and broadcast
-    # them over the process group (engine/layouts/dcp.py GroupReader): true where a read
-    # crosses a network or a disk; false for host memory, which each rank reads faster than
-    # gloo moves it. A class default an instance may override (tiers/node_memory.py does).
-    broadcast_reads: bool = True
-    # Whether a save writes the files of its components at the same time (engine/save_steps.py):
-    # true where a write waits on a disk or a network; false for host memory, where it is
-    # CPU work and each component's own writers (`default_io_threads`) keep the cores busy.
-    parallel_components: ClassVar[bool] = True
-    # The same for a compressed save: false where the encoders, not the store, set its pace
-    # (a local disk), so a second component's writers would only time-slice the cores and
-    # the GIL with the first's (benchmarks/results/journal.md, "Compressed saves: one component at a
-    # time").
-    parallel_compressed_components: ClassVar[bool] = True
-    # Whether tensor records carry their zip CRC-32s, as torch.save writes them by default:
-    # false for host memory, where computing them is a pass over every byte that nothing
-    # checks (statereg's own digests do; dcp/records.py).
-    record_crcs: ClassVar[bool] = True
     # What to check when the store says "permission denied" (EACCES, EPERM) to a write or
     # a delete, and to a read or a listing (which must not send the user after write access).
     denied_hint: ClassVar[str] = _CHECK_ACCESS
@@ -381,6 +313,17 @@ class StorageBackend:
         with self._storage_op("open filesystem", ""):
             fs, root = fsspec.core.url_to_fs(url, **options)
         return fs, root.rstrip("/")
+
+    @classmethod
+    def capabilities_at(cls, url: str) -> StoreCapabilities:
+        """What kind of store the root at `url` is, known without opening it (`statereg plan`
+        asks before any store is reached): the class's `kind` unless the root tells more."""
+        return cls.kind
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        """What kind of store this root is (`capabilities_at` of its URL)."""
+        return self.capabilities_at(self.url)
 
     # -- paths and errors ---------------------------------------------------------------
 
@@ -471,6 +414,12 @@ class StorageBackend:
                                   **self.upload_options)
 
         return HashingWriter(path, io.BytesIO(), put, on_done)
+
+    def for_writing(self, around_cache: bool) -> StorageBackend:
+        """The backend a writer opens its files through: itself, except where the I/O policy
+        asks for files written around the page cache (`around_cache`: compressed data, not
+        read back soon) and the store has a cache to go around (local disk)."""
+        return self
 
     def write_bytes(self, path: str, data: bytes) -> WrittenFile:
         """Store a whole small file (manifest, latest, JSON state) and return what was written."""

@@ -3,8 +3,9 @@
 Every file statereg writes passes through `HashingWriter`, so its size and checksum are known
 when it is stored, without reading it back; `FileRecorder` collects the `WrittenFile`s of one
 save for its manifest. Readers verify what they read against those records: `check_file`
-for bytes already in memory, `verify_stream` for a whole file read in bounded blocks, and
-`VerifiedReads`, a backend whose whole-file reads are checked as they are read.
+for bytes already in memory, `verify_stream` for a whole file read in bounded blocks (and
+`verified.VerifiedReads`, a backend whose whole-file reads are checked as they are read).
+Imports nothing of statereg's storage: `base` builds on it, never the other way round.
 """
 
 from __future__ import annotations
@@ -12,16 +13,13 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import xxhash
 
 from statereg.errors import CorruptCheckpointError
-
-if TYPE_CHECKING:
-    from statereg.backends.base import StorageBackend
 
 # Files are verified in blocks of this size, so memory stays bounded whatever a file holds.
 VERIFY_BLOCK = 8 << 20
@@ -113,59 +111,6 @@ def verify_stream(where: str, record: Recorded, stream: SeekableReads,
             sink(block)
     check_size(where, record, size)
     check_hasher(where, record, hasher)
-
-
-class VerifiedReads:
-    """A storage backend whose whole-file reads of recorded files are checked as they are read.
-
-    `read_bytes` of a file the manifest records reads at most one byte more than its
-    recorded size and raises CorruptCheckpointError (naming the file) on any difference,
-    before the caller sees the bytes; the rest of `base.ReadableStore`, what readers call,
-    is the backend's own. The engine hands this to the layouts at load time, so every reader
-    of whole files (object state, sidecars, DCP metadata, torch and safetensors model files)
-    is verified without knowing. DCP items are read in ranges through `for_reading`'s
-    backend and checked against their own digests (dcp/reader.py).
-    """
-
-    def __init__(self, backend: StorageBackend, records: Mapping[str, Recorded]) -> None:
-        self._backend = backend
-        self.records = records
-
-    @property
-    def default_io_threads(self) -> int:
-        return self._backend.default_io_threads
-
-    @property
-    def broadcast_reads(self) -> bool:
-        return self._backend.broadcast_reads
-
-    def display(self, path: str = "") -> str:
-        return self._backend.display(path)
-
-    def open_read(self, path: str, size: int | None = None,
-                  ) -> contextlib.AbstractContextManager[IO[bytes]]:
-        return self._backend.open_read(path, size)
-
-    def for_reading(self, nbytes: int) -> StorageBackend:
-        return self._backend.for_reading(nbytes)
-
-    def exists(self, path: str) -> bool:
-        return self._backend.exists(path)
-
-    def list_dir(self, path: str = "") -> list[str]:
-        return self._backend.list_dir(path)
-
-    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
-        record = self.records.get(path)
-        if record is None or limit is not None:
-            return self._backend.read_bytes(path, limit)
-        where = self._backend.display(path)
-        try:
-            data = self._backend.read_bytes(path, limit=record.size + 1)
-        except FileNotFoundError:
-            raise missing(where, record) from None
-        check_file(where, record, data)
-        return data
 
 
 class FileRecorder:

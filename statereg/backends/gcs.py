@@ -10,6 +10,7 @@ from typing import Any
 
 from statereg import env
 from statereg.backends.base import StorageBackend
+from statereg.backends.capabilities import StoreCapabilities
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +28,7 @@ class GCSBackend(StorageBackend):
     # gcsfs's pipe_file sends one simple upload below this size and a resumable upload in
     # chunks of this size above it (GCS needs chunks in multiples of 256 KiB).
     upload_options = {"chunksize": 50 * 2**20}
-    # Each file is a round trip to the store: keep more of them in flight than on a disk.
-    default_io_threads = 8
+    kind = StoreCapabilities("object-store", "network")
 
     # An upload with ifGenerationMatch=0: GCS refuses it with 412 if the object exists, so
     # of two racing writers exactly one wins. (gcp-storage-emulator ignores the condition.)

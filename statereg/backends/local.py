@@ -1,5 +1,7 @@
-"""Local disk: buffered file writes (compressed data files with O_DIRECT, around the page
-cache), fsync before a file counts as written.
+"""Local disk: the `LocalBackend` itself (containment, durable writes, the page-cache policy
+of storage.read_cache). How its files' bytes are written and cold files read is in
+local_writes.py and local_reads.py; the raw kernel calls (O_DIRECT, posix_fadvise,
+sync_file_range, cachestat, mincore, /proc) in kernel.py.
 
 A file counts as written once its bytes and its directory entry are durable: the file is
 fsynced, then its directory (and the parent of every directory the write created), so a
@@ -15,42 +17,33 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
+import dataclasses
 import errno
-import fcntl
 import functools
-import mmap
 import os
-import queue
 import shutil
 import stat
-import sys
-import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import IO, Any, ClassVar, Literal, cast
 
-import numpy as np
-
-from statereg.backends.base import (
-    EXCLUSIVE_WRITE,
-    WRITE_AROUND_CACHE,
-    PositionedReads,
-    StorageBackend,
-    StoredFile,
-)
+from statereg.backends.base import EXCLUSIVE_WRITE, StorageBackend, StoredFile
+from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import HashingWriter, WrittenFile
+from statereg.backends.kernel import (
+    advise_sequential,
+    available_memory,
+    cached_share,
+    in_memory,
+    set_direct,
+)
+from statereg.backends.local_reads import DirectReads, mostly_whole_chunks
+from statereg.backends.local_writes import DirectFile, WritebackFile
 from statereg.errors import CorruptCheckpointError, StorageError
-from statereg.process_state import process_wide
 
 # Large buffers keep the number of write syscalls low for multi-GB tensor files.
 _BUFFER = 8 * 1024 * 1024
-# Every this many bytes, the kernel is asked to start writing a file out (see _WritebackFile).
-_WRITEBACK_EVERY = 64 * 1024 * 1024
-# Writes at least this long go to the file directly, past its buffer.
-_UNBUFFERED = 256 * 1024
 # Filesystems without hard links answer link() with one of these; then O_EXCL is used.
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK,
              errno.ENOSYS}
@@ -59,11 +52,6 @@ _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EM
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-# Data files are read with O_DIRECT in chunks of this size, this many chunks in flight
-# (benchmarks/results/journal.md, "Cold load"). O_DIRECT needs offsets and lengths in whole blocks.
-_DIRECT_CHUNK = 4 * 1024 * 1024
-_DIRECT_AHEAD = 8
-_DIRECT_ALIGN = 4096
 # `storage.read_cache` (benchmarks/results/journal.md, "The page cache"): whether what a load
 # reads and a save writes stays in the page cache. auto keeps it when it fits in this share of the
 # memory the kernel reports available.
@@ -76,15 +64,6 @@ _FITS_SHARE = 0.5
 # read it with O_DIRECT or started a read-ahead over all of it (a warm 1.4 GB load took 0.50 s,
 # not 0.36).
 _MOSTLY_CACHED = 0.98
-# A file written around the page cache (`WRITE_AROUND_CACHE`: compressed data) goes to disk
-# with O_DIRECT from page-aligned buffers of this size, this many written at once per file
-# (`_DirectFile`); up to `_KEPT_ALIGNED` buffers are kept for the next files.
-_DIRECT_WRITE_CHUNK = 4 * 1024 * 1024
-_DIRECT_WRITES_AHEAD = 2
-_KEPT_ALIGNED = 12
-# Pieces at least this long are copied into those buffers by numpy, without the GIL.
-_COPY_WITHOUT_GIL = 64 * 1024
-_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
 
 
 def file_kind(mode: int) -> str:
@@ -129,19 +108,6 @@ def _makedirs_durable(path: str) -> None:
         _fsync_dir(os.path.dirname(created))
 
 
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (memory the kernel can hand out without
-    swapping, reclaimable page cache included); None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", "rb") as info:
-            for line in info:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def keeps_pages(policy: ReadCache, nbytes: int, available: int | None) -> bool:
     """Whether `nbytes` of checkpoint read or written under `policy` should stay in the page
     cache: always for keep, never for bypass; for auto, when they take less than half of
@@ -152,496 +118,6 @@ def keeps_pages(policy: ReadCache, nbytes: int, available: int | None) -> bool:
     if policy == "bypass":
         return False
     return available is None or nbytes < _FITS_SHARE * available
-
-
-@functools.cache
-def _sync_file_range() -> Any:
-    """libc's sync_file_range (start writeback of a range, keep its pages), or None."""
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    function.restype = ctypes.c_int
-    return function
-
-
-def _start_writeback(fd: int, offset: int, length: int, keep: bool) -> bool:
-    """Ask the kernel to start writing [offset, offset+length) of `fd` to disk now, without
-    waiting: with `keep`, the pages stay cached (sync_file_range); without, the cache may drop
-    them once written (posix_fadvise(DONTNEED), which drops the clean ones at once). False
-    where the kernel or filesystem cannot."""
-    if keep:
-        function = _sync_file_range()
-        return function is not None and function(fd, offset, length,
-                                                 _SYNC_FILE_RANGE_WRITE) == 0
-    try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        return False
-    return True
-
-
-class _WritebackFile:
-    """A file whose written bytes start going to disk every 64 MiB, not at fsync.
-
-    The page cache would otherwise hold a whole checkpoint file dirty until fsync, which then
-    waits for the disk to write all of it: a save took copy time plus disk time. Started
-    early, the disk works while the rest is still being copied, and the fsync finds little
-    left to do. `keep(nbytes)` says whether the pages of a file of that size stay in the page
-    cache (storage.read_cache): then writeback is started with sync_file_range, else with
-    posix_fadvise(DONTNEED), which also lets the cache drop them (`drop_pages` after the
-    fsync drops the rest). Pieces of `_UNBUFFERED` bytes or more skip the file's buffer (a
-    tensor's bytes arrive in 1 MiB slices: records.py), and every failed write is the
-    backend's StorageError (`guard`), as a failed fsync is.
-    """
-
-    def __init__(self, file: IO[bytes], keep: Callable[[int], bool],
-                 guard: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
-        self._file = file
-        self._keep = keep
-        self._guard = guard  # reports a failed write as the backend's StorageError
-        self._written = self._started = 0
-        self._advise = hasattr(os, "posix_fadvise")
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        with self._guard():
-            if len(view) >= _UNBUFFERED:
-                # The buffered file would copy a piece shorter than its buffer into it
-                # first: one more pass over every byte of a tensor handed on in slices.
-                self._file.flush()
-                raw, count = self._file.raw, 0  # type: ignore[attr-defined]
-                while count < len(view):
-                    count += raw.write(view[count:])
-            else:
-                count = self._file.write(view)
-            self._written += count
-            if self._advise and self._written - self._started >= _WRITEBACK_EVERY:
-                self._file.flush()
-                # A filesystem without either: the final fsync does all the work.
-                self._advise = _start_writeback(self._file.fileno(), self._started,
-                                                self._written - self._started,
-                                                self._keep(self._written))
-                self._started = self._written
-        return count
-
-    def drop_pages(self) -> None:
-        """After the fsync: let the cache drop the file's pages (all clean now) unless the
-        policy keeps a file of this size."""
-        if hasattr(os, "posix_fadvise") and not self._keep(self._written):
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def fileno(self) -> int:
-        return self._file.fileno()
-
-    def close(self) -> None:
-        self._file.close()
-
-
-class _AlignedBuffers:
-    """Page-aligned buffers for O_DIRECT writes, kept from one file to the next: a fresh
-    buffer costs a page fault for each of its 4 KiB on first use."""
-
-    def __init__(self) -> None:
-        self._free: list[mmap.mmap] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> mmap.mmap:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return mmap.mmap(-1, _DIRECT_WRITE_CHUNK)
-
-    def give(self, buffer: mmap.mmap) -> None:
-        with self._lock:
-            if len(self._free) < _KEPT_ALIGNED:
-                self._free.append(buffer)
-                return
-        with contextlib.suppress(BufferError):  # still viewed: freed with the last view
-            buffer.close()
-
-
-_ALIGNED = _AlignedBuffers()
-process_wide(__name__, "_ALIGNED", "O_DIRECT buffers reused from file to file: a fresh one faults "
-             "in every page", clear=lambda: _ALIGNED._free.clear())
-
-
-class _DirectFile:
-    """The sink of a file written around the page cache (`WRITE_AROUND_CACHE`).
-
-    Bytes are gathered into page-aligned buffers, and a thread of the file's own writes each
-    full one with O_DIRECT, `_DIRECT_WRITES_AHEAD` at once, so the disk works while the
-    caller makes the next bytes. The kernel neither copies them into its cache nor keeps
-    them there: for a compressed save, whose two cores are busy encoding, that copy was a
-    fifth of its time (benchmarks/results/journal.md, "Compressed saves around the page cache").
-    `finish` writes the last piece padded to a whole page and cuts the file back to its
-    length. A write the filesystem refuses with O_DIRECT (EINVAL) is done buffered, and so is
-    the rest of the file; any other failure is raised by the next `write` or by `finish`, as
-    the backend's StorageError (`guard`).
-    """
-
-    def __init__(self, fd: int, guard: Callable[[], contextlib.AbstractContextManager[None]],
-                 ) -> None:
-        self._fd = fd
-        self._guard = guard
-        self._direct = True
-        self._offset = 0  # where the buffer being filled starts in the file
-        self._filled = 0
-        self._buffer: mmap.mmap | None = _ALIGNED.take()
-        self._array: np.ndarray | None = np.frombuffer(self._buffer, dtype=np.uint8)
-        self._pending: queue.SimpleQueue[tuple[mmap.mmap, int, int] | None] = queue.SimpleQueue()
-        self._slots = threading.Semaphore(_DIRECT_WRITES_AHEAD)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._closed = False
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        count, at = len(view), 0
-        while at < count:
-            start = self._filled
-            take = min(_DIRECT_WRITE_CHUNK - start, count - at)
-            if take >= _COPY_WITHOUT_GIL:
-                assert self._array is not None
-                np.copyto(self._array[start:start + take],
-                          np.frombuffer(view[at:at + take], dtype=np.uint8))
-            else:
-                self._buffer[start:start + take] = view[at:at + take]  # type: ignore[index]
-            self._filled += take
-            at += take
-            if self._filled == _DIRECT_WRITE_CHUNK:
-                self._submit(_DIRECT_WRITE_CHUNK)
-        self._raise_failure()
-        return count
-
-    def _submit(self, length: int) -> None:
-        """Hand the buffer being filled to the writing thread, and take a fresh one."""
-        assert self._buffer is not None
-        self._slots.acquire()  # at most _DIRECT_WRITES_AHEAD buffers wait for the disk
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="statereg-direct-write",
-                                            daemon=True)
-            self._thread.start()
-        self._pending.put((self._buffer, self._offset, length))
-        self._offset += length
-        # The handed-on buffer is the writing thread's now: never given back from here too,
-        # even if taking a fresh one fails.
-        self._array = self._buffer = None
-        self._buffer = _ALIGNED.take()
-        self._array = np.frombuffer(self._buffer, dtype=np.uint8)
-        self._filled = 0
-
-    def _run(self) -> None:
-        while (job := self._pending.get()) is not None:
-            buffer, offset, length = job
-            try:
-                if self._error is None:
-                    self._write_at(buffer, offset, length)
-            except BaseException as exc:  # raised on the caller's thread (_raise_failure)
-                self._error = exc
-            finally:
-                _ALIGNED.give(buffer)
-                self._slots.release()
-
-    def _write_at(self, buffer: mmap.mmap, offset: int, length: int) -> None:
-        view = memoryview(buffer)
-        try:
-            done = 0
-            while done < length:
-                try:
-                    done += os.pwrite(self._fd, view[done:length], offset + done)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL or not self._direct:
-                        raise
-                    self._direct = False  # refused after all: buffered from here on
-                    _set_direct(self._fd, False)
-        finally:
-            view.release()
-
-    def _raise_failure(self) -> None:
-        if self._error is not None:
-            with self._guard():
-                raise self._error
-
-    def _stop(self) -> None:
-        """Wait until every buffer handed on is written (or failed)."""
-        if self._thread is not None:
-            self._pending.put(None)
-            self._thread.join()
-            self._thread = None
-
-    def finish(self) -> None:
-        """Write the rest (padded to a page, then the file is cut back to its length) and wait
-        for every write; raises the first failure."""
-        size = self._offset + self._filled
-        if self._filled:
-            padded = -(-self._filled // _DIRECT_ALIGN) * _DIRECT_ALIGN
-            self._buffer[self._filled:padded] = bytes(padded - self._filled)  # type: ignore[index]
-            self._submit(padded)
-        self._stop()
-        self._raise_failure()
-        with self._guard():
-            os.ftruncate(self._fd, size)
-
-    def flush(self) -> None:
-        """Nothing to do: `finish` writes the last piece, which O_DIRECT cannot write alone."""
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._stop()
-        self._array = None
-        if self._buffer is not None:
-            _ALIGNED.give(self._buffer)
-            self._buffer = None
-        os.close(self._fd)
-
-
-@functools.cache
-def _in_memory(root: str) -> bool:
-    """Whether `root` lies on a memory filesystem (tmpfs, ramfs), by /proc/mounts."""
-    try:
-        with open("/proc/mounts") as table:
-            mounts = [line.split()[1:3] for line in table]
-    except OSError:
-        return False
-    resolved = os.path.realpath(root)
-    found, kind = "", ""
-    for mount, fstype in mounts:
-        inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(found):
-            found, kind = mount, fstype
-    return kind in ("tmpfs", "ramfs")
-
-
-def _set_direct(fd: int, on: bool) -> bool:
-    """Turn O_DIRECT on or off for `fd`; False where the filesystem refuses it."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
-    except OSError:
-        return False
-    return True
-
-
-@functools.cache
-def _libc() -> Any:
-    """libc with mmap, munmap, mincore and syscall typed for ctypes, or None where it has
-    none."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_int64)
-        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-        libc.syscall.restype = ctypes.c_long
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-class _CacheStatRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _CacheStat(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in (
-        "nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
-
-
-# cachestat(2), Linux 6.5: one call counts a range's pages in the page cache. The number is
-# the same on every architecture (the generic syscall table).
-_CACHESTAT = 451
-_cachestat_works = sys.platform == "linux"
-process_wide(__name__, "_cachestat_works", "whether the kernel has cachestat(2), learnt once")
-process_wide(__name__, "_sync_file_range", "libc's sync_file_range bound through ctypes once")
-process_wide(__name__, "_in_memory", "whether a root is on tmpfs: /proc/mounts read once a root")
-process_wide(__name__, "_libc", "libc bound through ctypes once (mmap, mincore, syscall)")
-
-
-def _cached_pages(libc: Any, fd: int, first: int, pages: int) -> int | None:
-    """How many of `pages` pages from page `first` are cached, by cachestat(2); None where
-    the kernel has no cachestat (older than 6.5, or refused by a seccomp filter)."""
-    global _cachestat_works
-    if not _cachestat_works:
-        return None
-    span, stat = _CacheStatRange(first * mmap.PAGESIZE, pages * mmap.PAGESIZE), _CacheStat()
-    # syscall(2) is variadic and reads every argument as a long: pass longs, not C ints.
-    if libc.syscall(ctypes.c_long(_CACHESTAT), ctypes.c_long(fd), ctypes.byref(span),
-                    ctypes.byref(stat), ctypes.c_long(0)) != 0:
-        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
-            _cachestat_works = False
-        return None
-    return stat.nr_cache
-
-
-def _cached_share(fd: int, ranges: Sequence[tuple[int, int]]) -> float:
-    """The share of the runs' pages in the page cache (a file written or read a moment ago is
-    all there), 0.0 where the kernel cannot say. Asks cachestat(2), else mincore(2) of a
-    mapping of the file (20x slower: 6 ms for 480 MB here); neither reads anything nor faults
-    anything in (an RWF_NOWAIT read probe starts readahead of what it finds missing)."""
-    libc = _libc()
-    if not ranges or libc is None:
-        return 0.0
-    size = os.fstat(fd).st_size
-    spans = []
-    for start, end in ranges:
-        first = start // mmap.PAGESIZE
-        pages = -(-min(end, size) // mmap.PAGESIZE) - first
-        if pages > 0:
-            spans.append((first, pages))
-    total = sum(pages for _, pages in spans)
-    if not total:
-        return 0.0
-    counted = [_cached_pages(libc, fd, first, pages) for first, pages in spans]
-    if None not in counted:
-        whole = cast("list[int]", counted)  # every span answered
-        return sum(min(c, pages) for c, (_, pages) in zip(whole, spans, strict=True)) / total
-    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if address in (None, ctypes.c_void_p(-1).value):
-        return 0.0
-    cached = 0
-    try:
-        for first, pages in spans:
-            vector = ctypes.create_string_buffer(pages)
-            if libc.mincore(address + first * mmap.PAGESIZE, pages * mmap.PAGESIZE,
-                            vector) != 0:
-                return 0.0
-            cached += pages - vector.raw.count(0)  # bit 0: resident; the others are 0
-    finally:
-        libc.munmap(address, size)
-    return cached / total
-
-
-def _mostly_whole_chunks(ranges: Sequence[tuple[int, int]], size: int | None) -> bool:
-    """Whether the runs fill at least half of the aligned chunks they touch. O_DIRECT reads
-    whole chunks: for runs scattered thinly over a large file (a few items of each rank's
-    file in a load at another world size) it would read several times the bytes asked for
-    (measured: 2.75x the checkpoint at 4 ranks), so those are read buffered, run by run."""
-    touched: set[int] = set()
-    for start, end in ranges:
-        touched.update(range(start // _DIRECT_CHUNK, (end - 1) // _DIRECT_CHUNK + 1))
-    total = sum(_DIRECT_CHUNK if size is None else min(_DIRECT_CHUNK, size - i * _DIRECT_CHUNK)
-                for i in touched)
-    return 2 * sum(end - start for start, end in ranges) >= total
-
-
-class _DirectReads(PositionedReads):
-    """Runs of a local file, read with O_DIRECT in page-aligned chunks, several ahead.
-
-    Every chunk the runs touch is read, in order, into a page-aligned buffer by a small pool
-    of threads (`_DIRECT_AHEAD` chunks in flight), and reads copy out of the chunk they fall
-    in: one memory copy per byte, far cheaper than the disk time it overlaps. Any position can
-    be read (a chunk outside the runs is read when asked for); a filesystem that accepted
-    O_DIRECT but refuses a read with it is read buffered from then on.
-    """
-
-    def __init__(self, backend: LocalBackend, path: str, fd: int,
-                 ranges: Sequence[tuple[int, int]]) -> None:
-        super().__init__(backend, path)
-        self._fd = fd
-        self._direct = True
-        order: list[int] = []
-        for start, end in sorted(ranges):
-            for index in range(start // _DIRECT_CHUNK, (end - 1) // _DIRECT_CHUNK + 1):
-                if not order or index > order[-1]:
-                    order.append(index)
-        self._order = order
-        self._place = {index: n for n, index in enumerate(order)}
-        self._pending: dict[int, Future[tuple[mmap.mmap, int]]] = {}
-        self._spare: list[mmap.mmap] = []
-        self._pool = ThreadPoolExecutor(_DIRECT_AHEAD, thread_name_prefix="statereg-direct")
-        self._pos = 0
-        self._chunk: tuple[int, mmap.mmap, int] | None = None  # index, buffer, bytes in it
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def _file_size(self) -> int:
-        return os.fstat(self._fd).st_size
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        done = 0
-        while done < len(view):
-            index, data, filled = self._chunk_at(self._pos // _DIRECT_CHUNK)
-            at = self._pos - index * _DIRECT_CHUNK
-            got = min(len(view) - done, filled - at)
-            if got <= 0:
-                break  # the file ends here
-            view[done:done + got] = data[at:at + got]
-            done += got
-            self._pos += got
-        return done
-
-    def _chunk_at(self, index: int) -> tuple[int, mmap.mmap, int]:
-        if self._chunk is not None and self._chunk[0] == index:
-            return self._chunk
-        if self._chunk is not None:
-            self._spare.append(self._chunk[1])
-            self._chunk = None
-        pending = self._pending.pop(index, None)
-        place = self._place.get(index)
-        if place is not None:  # keep the next chunks of the runs in flight
-            for ahead in self._order[place + 1:place + 1 + _DIRECT_AHEAD]:
-                if ahead not in self._pending:
-                    self._pending[ahead] = self._pool.submit(self._read_chunk, ahead,
-                                                             self._buffer())
-        with self._backend._storage_op("read", self._path):
-            data, filled = (pending.result() if pending is not None
-                            else self._read_chunk(index, self._buffer()))
-        self._chunk = (index, data, filled)
-        return self._chunk
-
-    def _buffer(self) -> mmap.mmap:
-        return self._spare.pop() if self._spare else mmap.mmap(-1, _DIRECT_CHUNK)
-
-    def _read_chunk(self, index: int, data: mmap.mmap) -> tuple[mmap.mmap, int]:
-        """Fill `data` from the chunk's offset: as much as the file holds there."""
-        offset, filled = index * _DIRECT_CHUNK, 0
-        view = memoryview(data)
-        try:
-            while filled < _DIRECT_CHUNK:
-                try:
-                    got = os.preadv(self._fd, [view[filled:]], offset + filled)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL or not self._direct:
-                        raise
-                    self._direct = False  # refused after all: read buffered from here on
-                    _set_direct(self._fd, False)
-                    continue
-                if not got:
-                    break
-                filled += got
-                if self._direct and filled % _DIRECT_ALIGN:
-                    break  # a short O_DIRECT read ends at the end of the file
-        finally:
-            view.release()
-        return data, filled
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        for pending in self._pending.values():
-            pending.cancel()
-        self._pool.shutdown(wait=True)
-        self._pending.clear()
-        self._chunk = None
-        self._spare.clear()  # their memory goes with the last reference
-        os.close(self._fd)
-        super().close()
 
 
 def temporary_name(path: str) -> str:
@@ -660,14 +136,23 @@ class LocalBackend(StorageBackend):
                         "shared root, another user's entry)")
     # A local folder has no credentials: what failed is the filesystem.
     failure_hint = "The filesystem reported it: check the disk and its mount"
-    # Compressed saves write one component at a time here (base.py).
-    parallel_compressed_components = False
+    kind = StoreCapabilities("local-disk", "disk", page_cache=True)
     # storage.read_cache (`open_backend` sets it): whether the page cache keeps what loads
     # read and saves write (`keeps_pages`).
     read_cache: ReadCache = "auto"
     # Whether the pages of the load reading through this backend stay cached, decided for
     # all its bytes at once (`for_reading`); None: for each file's own size.
     _load_keeps: bool | None = None
+    # Whether files opened for writing go around the page cache (`for_writing`).
+    _write_around = False
+
+    @classmethod
+    def capabilities_at(cls, url: str) -> StoreCapabilities:
+        """A local disk; a path on a tmpfs (or ramfs) is memory, with no cache to go around."""
+        path = url[len("file://"):] if url.startswith("file://") else url
+        if in_memory(os.path.abspath(os.path.expanduser(path))):
+            return dataclasses.replace(cls.kind, latency="memory", page_cache=False)
+        return cls.kind
 
     def _open_filesystem(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         path = url[len("file://"):] if url.startswith("file://") else url
@@ -749,7 +234,7 @@ class LocalBackend(StorageBackend):
     def _keeps(self, nbytes: int) -> bool:
         """Whether `nbytes` of this root read or written stay in the page cache
         (`keeps_pages` under `read_cache`); always in memory (tmpfs: the cache is the store)."""
-        if _in_memory(self.root):
+        if in_memory(self.root):
             return True
         available = None if self.read_cache != "auto" else available_memory()
         return keeps_pages(self.read_cache, nbytes, available)
@@ -765,6 +250,16 @@ class LocalBackend(StorageBackend):
 
     # -- writing ------------------------------------------------------------------------
 
+    def for_writing(self, around_cache: bool) -> LocalBackend:
+        """This backend for one writer: with `around_cache` (the I/O policy's, for compressed
+        data) its files go to disk with O_DIRECT (`DirectFile`), except on a root in memory,
+        where the cache is the store."""
+        if not around_cache or in_memory(self.root):
+            return self
+        writing = copy.copy(self)
+        writing._write_around = True
+        return writing
+
     def open_write(self, path: str, on_done: Callable[[WrittenFile], None] | None = None,
                    ) -> HashingWriter:
         full = self.full_path(path)
@@ -775,13 +270,13 @@ class LocalBackend(StorageBackend):
             mapped = self._mapped_writer(path, fd, on_done)
             if mapped is not None:
                 return mapped
-            if self._around_cache() and _set_direct(fd, True):
+            if self._write_around and set_direct(fd, True):
                 return self._direct_writer(path, full, fd, on_done)
-            sink = _WritebackFile(
+            sink = WritebackFile(
                 open(fd, "wb", buffering=_BUFFER),  # noqa: SIM115 - closed by the writer
                 self._keeps, functools.partial(self._storage_op, "write", path))
 
-        def durable(stream: _WritebackFile) -> None:
+        def durable(stream: WritebackFile) -> None:
             with self._storage_op("write", path):
                 try:
                     stream.flush()
@@ -802,19 +297,12 @@ class LocalBackend(StorageBackend):
 
         return HashingWriter(path, sink, durable, on_done)
 
-    def _around_cache(self) -> bool:
-        """Whether the file being opened goes around the page cache: its writer asked
-        (`WRITE_AROUND_CACHE`), the policy does not keep every page (`read_cache: keep`), and
-        the root is a disk (in memory the cache is the store)."""
-        return (WRITE_AROUND_CACHE.get() and self.read_cache != "keep"
-                and not _in_memory(self.root))
-
     def _direct_writer(self, path: str, full: str, fd: int,
                        on_done: Callable[[WrittenFile], None] | None) -> HashingWriter:
-        """A writer of `fd` (O_DIRECT on) through `_DirectFile`."""
-        sink = _DirectFile(fd, functools.partial(self._storage_op, "write", path))
+        """A writer of `fd` (O_DIRECT on) through `DirectFile`."""
+        sink = DirectFile(fd, functools.partial(self._storage_op, "write", path))
 
-        def durable(stream: _DirectFile) -> None:
+        def durable(stream: DirectFile) -> None:
             with self._storage_op("write", path):
                 try:
                     sink.finish()
@@ -917,36 +405,35 @@ class LocalBackend(StorageBackend):
         the file's without `for_reading`), the file is read buffered straight into the
         tensors, as `open_read` does, and stays cached: a later load of it is a memory copy.
         Otherwise a cold file is read with O_DIRECT: large aligned chunks, several in flight
-        (`_DirectReads`), keep the disk's queue full and leave no copy in the cache. Read
+        (`DirectReads`), keep the disk's queue full and leave no copy in the cache. Read
         buffered in every case: a root in memory (tmpfs, ramfs: shm://), where the page cache
         is the storage; a file where O_DIRECT is refused (some network filesystems); runs
-        scattered thinly over the file (`_mostly_whole_chunks`); a file whose runs are in the
-        page cache already, or nearly (`_cached_share`: O_DIRECT would read the disk again). A
+        scattered thinly over the file (`mostly_whole_chunks`); a file whose runs are in the
+        page cache already, or nearly (`cached_share`: O_DIRECT would read the disk again). A
         subclass that routes reads elsewhere (its own `open_read`) keeps its route.
         """
         if (type(self).open_read is not LocalBackend.open_read or not ranges
-                or _in_memory(self.root) or not _mostly_whole_chunks(ranges, size)):
+                or in_memory(self.root) or not mostly_whole_chunks(ranges, size)):
             with self.open_read(path, size) as stream:
                 yield stream
             return
         wanted = sum(end - start for start, end in ranges)
         keep = self._load_keeps if self._load_keeps is not None else self._keeps(wanted)
         fd = self._open_contained("open", path)
-        cached = _cached_share(fd, sorted(ranges)) >= _MOSTLY_CACHED
-        if keep or cached or not _set_direct(fd, True):
+        cached = cached_share(fd, sorted(ranges)) >= _MOSTLY_CACHED
+        if keep or cached or not set_direct(fd, True):
             if keep and not cached:
                 # A cold file read front to back (the readers never seek back: torchsave.py):
                 # the kernel's readahead keeps the disk busy, with twice its window. A thread
                 # asking for the runs ahead (WILLNEED) read this disk at half the rate
                 # (benchmarks/results/journal.md, "Cold loads read front to back").
-                with contextlib.suppress(OSError, AttributeError):  # AttributeError: macOS
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                advise_sequential(fd)
             with self._storage_op("open", path):
                 plain = open(fd, "rb")  # noqa: SIM115 - closed below
             with plain:
                 yield plain
             return
-        with _DirectReads(self, path, fd, ranges) as direct:
+        with DirectReads(self, path, fd, ranges) as direct:
             yield cast(IO[bytes], direct)  # file-like: read, readinto, seek, tell
 
     def exists(self, path: str) -> bool:

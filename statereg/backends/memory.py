@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from statereg.backends.base import EXCLUSIVE_WRITE, StorageBackend
+from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import WrittenFile
 
 # One store per process, so one lock makes "create if absent" atomic for every root in it.
@@ -15,6 +16,7 @@ class MemoryBackend(StorageBackend):
     """Checkpoints held in this process's memory; gone when the process exits."""
 
     schemes = ("memory",)
+    kind = StoreCapabilities("process-memory", "memory")
     atomic_create = True
     probe_exclusive = False  # the lock below makes the check and the write one step
 

@@ -27,6 +27,7 @@ from statereg.backends.base import (
     PositionedReads,
     StorageBackend,
 )
+from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import HashingWriter, WrittenFile, checksum_of, new_hasher
 
 # A conditional PUT racing another one on the same key may be answered 409
@@ -60,12 +61,12 @@ class S3Backend(StorageBackend):
     write_parts_in_flight = 4
     # Loads: ranged GETs of this size, this many ahead per file being read: the memory a
     # load holds beyond its destination tensors is at most (read_ahead + 1) x read_chunk per
-    # reader thread (storage.io_threads; `read_window` at the default).
+    # reader thread; `read_window` at the 8 readers the I/O policy gives an object store
+    # (engine/io_policy.py).
     read_chunk = 8 * 2**20
     read_ahead = 4
-    # Each file is a round trip to the store: keep more of them in flight than on a disk.
-    default_io_threads = 8
-    read_window = default_io_threads * (read_ahead + 1) * read_chunk
+    read_window = 8 * (read_ahead + 1) * read_chunk
+    kind = StoreCapabilities("object-store", "network")
     # PUT with If-None-Match: * (S3 since August 2024; MinIO, moto): the store refuses the
     # write with 412 if the key exists, so of two racing writers exactly one wins.
     atomic_create = True

@@ -29,10 +29,13 @@ import shutil
 import socket
 import stat
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from statereg import env
+from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import HashingWriter, WrittenFile
+from statereg.backends.kernel import filesystem_type, in_memory
 from statereg.backends.local import LocalBackend
 from statereg.backends.mappings import MappedFile, Mappings
 from statereg.errors import SpecError, StorageError
@@ -53,19 +56,6 @@ RECYCLED = ".recycled"
 _OVERWRITE = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 # A new or emptied file, readable by this user only (LocalBackend's, with mode 0600).
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def memory_writers() -> int:
-    """Files a rank writes (and reads) at once in memory: this process's cores shared among
-    the node's ranks, 2 to 8. A memory save is CPU work (copy, hash), so it scales with the
-    cores it may use: 2 on a 2-core machine, 8 for one rank on a 16-core node (a 2 GB save
-    there took 5.1x a memory copy with 2 writers, 2.4x with 8; benchmarks/results/journal.md,
-    "Memory saves on 16 cores")."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 2
-    return max(2, min(8, cpus // env.local_world_size()))
 
 
 def shm_dir() -> str:
@@ -113,27 +103,6 @@ def private_dir() -> str:
 def node_dir() -> str:
     """This node's folder of memory roots: `<shm>/statereg-<uid>/<node>`."""
     return os.path.join(private_dir(), node_name())
-
-
-def filesystem_type(path: str) -> str | None:
-    """The type of the filesystem mounted at `path` or above it (/proc/self/mountinfo)."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mounts:
-            lines = mounts.read().splitlines()
-    except OSError:
-        return None
-    real = os.path.realpath(path)
-    best, found = -1, None
-    for line in lines:
-        fields = line.split()
-        if " - " not in line or len(fields) < 5:
-            continue
-        point = fields[4].replace("\\040", " ")
-        after = line.split(" - ", 1)[1].split()
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > best and after:
-            best, found = len(point), after[0]
-    return found
 
 
 def _warn_if_not_memory(base: str) -> None:
@@ -238,17 +207,9 @@ class SharedMemoryBackend(LocalBackend):
     """Checkpoints in this node's shared memory (`shm://NAME`)."""
 
     schemes = ("shm",)
-    # Every rank of a node reads the tmpfs at memory speed: a broadcast over gloo's TCP
-    # would be the slow path (bench_replica.py: a restore took 1.5x longer with it).
-    broadcast_reads = False
-    # Records without zip CRC-32s (torch.save's `set_crc32_options(False)` form): in memory
-    # every item is checked by its xxh3 digest, and the CRC pass cost 0.2-0.3x a memory copy
-    # of the save (benchmarks/results/journal.md, "Memory saves into kept mappings, without
-    # CRC-32s").
-    record_crcs = False
-    # One component after another, each with its io_threads writers: a 0.5 GB save on two
-    # cores took 2.4-2.6x a memory copy with both components' four writers at once, 2.2x so.
-    parallel_components = False
+    # The node's memory: how to use it (no broadcast reads, no zip CRC-32s, one component
+    # at a time, its files written at once) is engine/io_policy.py's.
+    kind = StoreCapabilities("node-memory", "memory")
     # Whether a retired checkpoint's pages are written over by the next save instead of
     # being freed and allocated again (`remove_tree`); the memory tier opens its folder with
     # `recycle=True`.
@@ -258,7 +219,6 @@ class SharedMemoryBackend(LocalBackend):
                  recycle: bool = False) -> None:
         super().__init__(url, options)
         self.recycle = recycle
-        self._writers = memory_writers()
         # The mappings this process writes recycled files through (mappings.py).
         self._mappings = Mappings()
         # Whether every folder down to the root exists and is this user's (`check_private`):
@@ -266,11 +226,16 @@ class SharedMemoryBackend(LocalBackend):
         # operation until the whole chain exists.
         self._private = check_private(self.root, create=False)
 
-    # storage.io_threads, when unset, for memory roots; a property over StorageBackend's class
-    # attribute (this store's default depends on the instance):
+    @classmethod
+    def capabilities_at(cls, url: str) -> StoreCapabilities:
+        """Node memory (the folder's filesystem is known once the root is: `capabilities`)."""
+        return cls.kind
+
     @property
-    def default_io_threads(self) -> int:  # type: ignore[override]
-        return self._writers
+    def capabilities(self) -> StoreCapabilities:
+        """Node memory; with a page cache to go around where $STATEREG_SHM_DIR is no tmpfs
+        (a disk: warned about, and written as a local disk would be)."""
+        return self.kind if in_memory(self.root) else replace(self.kind, page_cache=True)
 
     def make_private(self) -> None:
         """Create the root (each missing folder 0700) and check the chain down to it."""

@@ -5,6 +5,7 @@ a second."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -44,13 +45,15 @@ def _model_bytes(factory: str, spec: Any) -> dict[str, list[tuple[str, int]]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    from statereg.backends.registry import backend_class
     from statereg.declaration import load_spec
     from statereg.engine.plan import WorldLayout, compile_job, render_job
 
     spec = load_spec(args.file)
     sizes = _model_bytes(args.model, spec) if args.model else None
     world = WorldLayout(0, args.world_size, _groups(spec, args.world_size, args.group))
-    job = compile_job(spec, world, sizes=sizes)
+    url = spec.storage.url
+    job = compile_job(spec, world, sizes=sizes, store=backend_class(url).capabilities_at(url))
     plans = job
     if args.rank is not None:
         if not 0 <= args.rank < args.world_size:
@@ -67,7 +70,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def _plan_document(plans: list[Any]) -> Any:
-    from statereg.schemas.cli import PlanOutput, RankEntry, TaskEntry
+    from statereg.schemas.cli import IOPolicyEntry, PlanOutput, RankEntry, StoreEntry, TaskEntry
 
     def task(t: Any) -> TaskEntry:
         role: Literal["leader", "member"] | None = (
@@ -77,7 +80,10 @@ def _plan_document(plans: list[Any]) -> Any:
                          role=role, directory=t.directory, files=list(t.files),
                          codec=t.codec, bytes=t.nbytes if t.takes_part else None)
 
-    return PlanOutput(storage=plans[0].storage, world_size=plans[0].world.size,
+    first = plans[0]
+    return PlanOutput(storage=first.storage, store=StoreEntry(**dataclasses.asdict(first.store)),
+                      io=IOPolicyEntry(**dataclasses.asdict(first.io)),
+                      world_size=first.world.size,
                       ranks=[RankEntry(rank=p.world.rank, tasks=[task(t) for t in p.tasks])
                              for p in plans])
 

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from statereg.backends.base import WRITE_AROUND_CACHE, ReadableStore, StorageBackend
+from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder, HashingWriter
+from statereg.backends.stores import ReadableStore
 from statereg.errors import CorruptCheckpointError
 
 
@@ -35,17 +36,16 @@ def normalize_path(path: str) -> str:
 class BackendFileSystem(FileSystemBase):
     """DCP's FileSystemBase over a StorageBackend; paths are relative to the backend root.
 
-    A reader (dcp/reader.py) passes a ReadableStore and only reads through it. `cached=False`:
-    the files written are not read back soon, and may go around a page cache
-    (`WRITE_AROUND_CACHE`)."""
+    A reader (dcp/reader.py) passes a ReadableStore and only reads through it. A writer
+    passes the backend it writes through (`StorageBackend.for_writing`: around the page
+    cache or not, as its I/O policy says)."""
 
     def __init__(self, backend: StorageBackend | ReadableStore,
                  recorder: FileRecorder | None = None, sizes: dict[str, int] | None = None,
-                 cached: bool = True) -> None:
+                 ) -> None:
         self.backend = backend
         self.recorder = recorder
         self.sizes = sizes or {}  # file sizes known from the manifest, by path
-        self.cached = cached
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
@@ -56,11 +56,7 @@ class BackendFileSystem(FileSystemBase):
                 yield stream  # type: ignore[misc]
             return
         on_done = self.recorder.add if self.recorder is not None else None
-        around = WRITE_AROUND_CACHE.set(not self.cached)
-        try:
-            writer: HashingWriter = self._writable().open_write(path, on_done)
-        finally:
-            WRITE_AROUND_CACHE.reset(around)
+        writer: HashingWriter = self._writable().open_write(path, on_done)
         try:
             yield writer
         except BaseException:

@@ -30,8 +30,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from statereg.backends.base import ReadableStore, StorageBackend
-from statereg.backends.checksum import Recorded, VerifiedReads, verify_stream
+from statereg.backends.checksum import Recorded, verify_stream
+from statereg.backends.stores import ReadableStore, ReadOnlyStore
+from statereg.backends.verified import VerifiedReads
 from statereg.dcp import METADATA_NAME, codec, torchsave
 from statereg.dcp.device_reads import DeviceLanding
 from statereg.dcp.fs import BackendFileSystem, normalize_path
@@ -69,7 +70,7 @@ class BackendReader(FileSystemReader):
     fs: BackendFileSystem  # type: ignore[assignment]
     path: str  # BackendFileSystem.init_path returns a str
 
-    def __init__(self, backend: ReadableStore, path: str, thread_count: int | None = None,
+    def __init__(self, backend: ReadableStore, path: str, thread_count: int = 2,
                  records: Mapping[str, Recorded] | None = None) -> None:
         super().__init__(path)
         if records is None and isinstance(backend, VerifiedReads):
@@ -77,7 +78,8 @@ class BackendReader(FileSystemReader):
         sizes = {p: r.size for p, r in records.items()} if records is not None else None
         self.fs = BackendFileSystem(backend, sizes=sizes)
         self.path = path
-        self.thread_count = thread_count or backend.default_io_threads
+        # Files read at once: the I/O policy's read_threads (engine/io_policy.py).
+        self.thread_count = thread_count
         self.records = records
         self._backend = backend
         self._metadata_bytes: bytes | None = None
@@ -147,7 +149,7 @@ class BackendReader(FileSystemReader):
             raise self._unreadable(req, exc) from None
         return target, torchsave.byte_view(target)
 
-    def _read_file(self, backend: StorageBackend, relative_path: str, items: list[ReadItem],
+    def _read_file(self, backend: ReadOnlyStore, relative_path: str, items: list[ReadItem],
                    planner: LoadPlanner, landing: DeviceLanding,
                    targets: Mapping[int, _Target | None]) -> None:
         """DCP's per-file read, except only the items' bytes are fetched (one ranged read per

@@ -73,18 +73,16 @@ class BackendWriter(FileSystemWriter):
     def __init__(self, backend: StorageBackend, path: str, recorder: FileRecorder,
                  thread_count: int = 1,
                  compression: codec.CompressionSettings | None = None,
-                 reuse: Mapping[str, Reusable] | None = None) -> None:
+                 reuse: Mapping[str, Reusable] | None = None, *, crcs: bool = True,
+                 around_cache: bool = False) -> None:
         # sync_files=False: our streams are made durable by the backend before they are
         # reported (DCP's own fsync falls back to a machine-wide os.sync() on remote streams).
         super().__init__(path, sync_files=False, thread_count=thread_count, overwrite=False)
-        # Compressed files go around the page cache where the store has one: their load is
-        # bound by decoding, and their save by the CPU the cache's copy would take.
-        self.fs = BackendFileSystem(backend, recorder, cached=compression is None)
+        # `crcs` (zip CRC-32s in tensor records: torchsave/crc_stream.py) and `around_cache` (files
+        # written around the page cache) are the I/O policy's (engine/io_policy.py).
+        self.fs = BackendFileSystem(backend.for_writing(around_cache), recorder)
         self.path = path
-        # zip CRC-32s in tensor records (torchsave/crc_stream.py): left out only where the
-        # store does not want them and the records are stored as they are (a drain adds them: a
-        # compressed item would have to be decoded for that, and its codec's CPU dwarfs them).
-        self.crcs = backend.record_crcs or compression is not None
+        self.crcs = crcs
         self.compressor = CompressingTransforms(compression) if compression is not None else None
         # Incremental saves: items whose digest matches `reuse` are referenced, not written.
         self.reuse = reuse

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from statereg.backends.base import ReadableStore, StorageBackend
-from statereg.backends.checksum import (
-    VerifiedReads,
-)
+from statereg.backends.base import StorageBackend
+from statereg.backends.stores import ReadableStore
+from statereg.backends.verified import VerifiedReads
 from statereg.engine.checkpoints import Committed
+from statereg.engine.io_policy import storage_policy
 from statereg.engine.layouts import LAYOUTS, KeyReport, ReadContext
 from statereg.engine.plan import LoadTask, Saved, compile_load
 from statereg.engine.report import Progress, describe_rate
@@ -194,7 +194,10 @@ def load_checkpoint(backend: StorageBackend, committed: Committed, spec: Registr
     # files by their checksums, DCP items by their digests), unless verify is off.
     records = read_records(plain, data_dir, names) if verify != "off" else None
     reader: ReadableStore = backend if records is None else VerifiedReads(backend, records)
-    ctx = ReadContext(reader, data_dir, world, records, strict)
+    # Derived now, after a tier's restore located the files (node memory some of whose
+    # files are on peers is read once and broadcast).
+    io = storage_policy(backend.capabilities, spec.storage)
+    ctx = ReadContext(reader, data_dir, world, records, io, strict)
 
     # Layouts read for their collective once and broadcast (ReadContext.read_once,
     # GroupReader), so ranks agree after each component: a rank that failed alone must not

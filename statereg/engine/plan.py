@@ -2,8 +2,10 @@
 
 A `RankPlan` says, for one rank, what each component's save is: whether this rank takes
 part, whether it leads (writes the shared files), over which collective, into which real
-directory, which files it writes, by which layout, with which codec and threads. Save runs
-these tasks and nothing else; `statereg plan` prints them. Load compiles a `LoadTask` per
+directory, which files it writes, by which layout, with which codec; and, where the store's
+kind is known, its I/O policy (engine/io_policy.py: threads, components together or not,
+broadcast reads, zip CRC-32s, writes around the page cache). Save runs these tasks and
+nothing else; `statereg plan` prints them. Load compiles a `LoadTask` per
 component from the manifest's record of what was saved plus the declaration, and checks
 that the two fit before anything is read (`compile_load`).
 
@@ -17,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from statereg.backends.capabilities import StoreCapabilities
+from statereg.engine.io_policy import IOPolicy, storage_policy
 from statereg.engine.report import format_bytes, format_table
 from statereg.errors import CheckpointMismatchError, SpecError
 from statereg.formats.names import (
@@ -109,7 +113,6 @@ class Task:
     directory: str  # relative to the checkpoint
     files: tuple[str, ...]  # what this rank writes; globs where DCP names the files
     codec: str = "none"
-    io_threads: int | None = None
     max_shard_size: int | None = None
     validate: bool = False
     nbytes: int | None = None  # tensor bytes this rank holds, when live objects were measured
@@ -128,6 +131,8 @@ class RankPlan:
     storage: str
     world: WorldLayout
     tasks: tuple[Task, ...]
+    store: StoreCapabilities | None = None  # what kind of store `storage` is, where known
+    io: IOPolicy | None = None  # how it is written and read (engine/io_policy.py)
 
     def task(self, name: str) -> Task:
         return next(t for t in self.tasks if t.component == name)
@@ -150,8 +155,10 @@ class RankPlan:
 def render_job(plans: list[RankPlan]) -> str:
     """Every rank's plan (what `statereg plan` prints without --rank)."""
     first = plans[0]
-    lines = [
-        f"storage:    {first.storage}",
+    lines = [f"storage:    {first.storage}"]
+    if first.store is not None and first.io is not None:
+        lines += [f"store:      {first.store.describe()}", f"I/O:        {first.io.describe()}"]
+    lines += [
         f"world size: {first.world.size}",
         "layout:     <storage>/step_XXXXXXXX/<files below>  then manifest.json, then latest",
         "",
@@ -227,7 +234,7 @@ def compile_task(name: str, comp: ComponentSpec, spec: RegistrySpec, world: Worl
         takes_part=takes_part, leader=leader, collective=collective,
         directory=directory, files=files if takes_part else (),
         codec=_codec(spec) if layout == "dcp" else "none",
-        io_threads=spec.storage.io_threads, max_shard_size=max_shard,
+        max_shard_size=max_shard,
         validate=comp.validate_replicas,
         nbytes=None if sizes is None else _bytes_written(sum(n for _, n in sizes), layout,
                                                            sharing, world, comp.group),
@@ -245,22 +252,28 @@ def _bytes_written(total: int, layout: Layout, sharing: str, world: WorldLayout,
 
 
 def compile_plan(spec: RegistrySpec, world: WorldLayout, storage: str | None = None,
-                 sizes: Mapping[str, list[tuple[str, int]]] | None = None) -> RankPlan:
+                 sizes: Mapping[str, list[tuple[str, int]]] | None = None,
+                 store: StoreCapabilities | None = None) -> RankPlan:
     """The plan of `world.rank`. `sizes`: per component, the (tensor, bytes) this rank holds,
-    so the plan can name safetensors files and say how much each rank writes."""
+    so the plan can name safetensors files and say how much each rank writes. `store`: what
+    kind of store the root is (`StorageBackend.capabilities`), from which the plan's I/O
+    policy is derived."""
     sizes = sizes or {}
     return RankPlan(
         storage=storage or spec.storage.url,
         world=world,
         tasks=tuple(compile_task(n, c, spec, world, sizes.get(n))
                     for n, c in spec.components.items()),
+        store=store,
+        io=None if store is None else storage_policy(store, spec.storage),
     )
 
 
 def compile_job(spec: RegistrySpec, world: WorldLayout, storage: str | None = None,
-                sizes: Mapping[str, list[tuple[str, int]]] | None = None) -> list[RankPlan]:
+                sizes: Mapping[str, list[tuple[str, int]]] | None = None,
+                store: StoreCapabilities | None = None) -> list[RankPlan]:
     """Every rank's plan (for `statereg plan` and tests; a live rank compiles only its own)."""
-    return [compile_plan(spec, world.at(r), storage, sizes) for r in range(world.size)]
+    return [compile_plan(spec, world.at(r), storage, sizes, store) for r in range(world.size)]
 
 
 def unpredicted(files: list[str], plans: list[RankPlan]) -> tuple[list[str], list[str]]:

@@ -30,6 +30,7 @@ from statereg.engine.incremental import (
     reference_records,
     reuse_index,
 )
+from statereg.engine.io_policy import storage_policy
 from statereg.engine.layouts import LAYOUTS, Captured
 from statereg.engine.layouts.dcp import PlannedWriteContext, SavePlans
 from statereg.engine.plan import WORLD, RankPlan
@@ -438,9 +439,9 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
 
     Components that need no collective (one process, or per-rank state) are written at the
     same time: on an object store each component's uploads would otherwise wait for the
-    slowest file of the one before. Not in memory (`parallel_components`), nor compressed on
-    a local disk (`parallel_compressed_components`), where writing is CPU work that more
-    threads than the writers of one component only time-slice.
+    slowest file of the one before. Not where the I/O policy says otherwise
+    (`IOPolicy.parallel_components`: in node memory, and compressed on a local disk, writing
+    is CPU work that more threads than the writers of one component only time-slice).
     `plans`: the job's kept DCP plans, which components
     whose plans are unchanged write by without a collective (layouts/dcp.py).
     """
@@ -452,8 +453,9 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
         def reuse(directory: str) -> Any:
             return reuse_index(backend, previous, directory)
 
+    io = storage_policy(backend.capabilities, storage)
     ctx = PlannedWriteContext(backend, name, world, recorder, compression_settings(storage),
-                              reuse, plans)
+                              io, reuse, plans)
 
     def write(item: Captured) -> WriteReport | None:
         report = LAYOUTS[item.task.layout].write(item, ctx)
@@ -462,9 +464,7 @@ def write_components(backend: StorageBackend, name: str, captured: list[Captured
         progress.update(item.nbytes)
         return report
 
-    together = backend.parallel_components and (
-        ctx.compression is None or backend.parallel_compressed_components)
-    if len(captured) > 1 and together and all(
+    if len(captured) > 1 and io.parallel_components and all(
             world.process_group(item.task.collective) is None for item in captured):
         with ThreadPoolExecutor(len(captured), thread_name_prefix="statereg-component") as pool:
             reports = list(pool.map(write, captured))

@@ -3,7 +3,7 @@
 Every source file is checked against the manifest's size and checksum as it is copied, in
 bounded blocks (a damaged file stops the copy before the destination is committed); DCP
 items that are rewritten are checked by their digests as they are read. Tensor records
-written without zip CRC-32s (a memory root's: `StorageBackend.record_crcs`) get them on the
+written without zip CRC-32s (a memory root's: `IOPolicy.record_crcs`) get them on the
 way to a store that keeps them, so a drained checkpoint holds what a save there writes. The
 destination manifest is written last, so an interrupted or refused copy leaves no committed
 checkpoint behind (`statereg gc` removes its leftovers).
@@ -26,11 +26,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import (
     FileRecorder,
-    VerifiedReads,
     WrittenFile,
     missing,
     verify_stream,
 )
+from statereg.backends.local import LocalBackend
+from statereg.backends.verified import VerifiedReads
 from statereg.dcp import METADATA_NAME
 from statereg.dcp.codec import CompressionSettings
 from statereg.dcp.metadata import ITEM_CHECKSUMS, gc_paused, item_checksums, load_dcp_metadata
@@ -40,6 +41,7 @@ from statereg.dcp.torchsave import RecordError, add_crcs
 from statereg.dcp.writer import BackendWriter, HashingTee
 from statereg.engine.checkpoints import Committed, read_latest, read_manifest_at, step_of
 from statereg.engine.claims import claim_checkpoint, claim_scope
+from statereg.engine.io_policy import io_policy
 from statereg.engine.load import read_records
 from statereg.engine.publish import commit
 from statereg.engine.report import Progress, describe_rate, format_bytes
@@ -175,13 +177,18 @@ def _rewrite_dcp(src: StorageBackend, src_dir: str, records: dict[str, FileRecor
     """Load every item of one DCP directory, each checked as it is read, and write it again
     with `compression`."""
     state: dict[str, Any] = {}
-    reader = BackendReader(VerifiedReads(src, records), src_dir, records=records)
+    reader = BackendReader(VerifiedReads(src, records), src_dir,
+                           io_policy(src.capabilities).read_threads, records=records)
     reader.verify_unchecked(reader.read_metadata())
     with caught() as reading:
         load_in_place(state, reader, _LoadEverything())
     if reading.error is not None:  # DCP wraps failures in a BaseException; raise the real one
         raise_own(reading.error, f"reading {src.display(src_dir)}", 0)
-    writer = BackendWriter(dst, dst_dir, recorder, thread_count=2, compression=compression)
+    # The destination's I/O policy for these files (its read_cache, where it has one).
+    io = io_policy(dst.capabilities, compressed=compression is not None,
+                   read_cache=dst.read_cache if isinstance(dst, LocalBackend) else "auto")
+    writer = BackendWriter(dst, dst_dir, recorder, thread_count=2, compression=compression,
+                           crcs=io.record_crcs, around_cache=io.write_around_cache)
     with single_process_dcp():
         dcp.save(state, storage_writer=writer, no_dist=True)
 
@@ -220,7 +227,8 @@ def copy_checkpoint(src: StorageBackend, name: str, dst: StorageBackend,
                         if posixpath.basename(r.path) == METADATA_NAME}
             settings = {d: (_source_settings(source.manifest, d) if recompress == "keep"
                             else recompress) for d in dcp_dirs}
-        elif not src.record_crcs and dst.record_crcs:
+        elif not io_policy(src.capabilities).record_crcs and \
+                io_policy(dst.capabilities).record_crcs:
             # Uncompressed tensor records without CRC-32s (compressed ones keep them).
             crc_dirs = {posixpath.dirname(r.path) for r in records
                         if posixpath.basename(r.path) == METADATA_NAME} - {

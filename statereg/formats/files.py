@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from statereg.backends.base import ReadableStore, StorageBackend
+from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import WrittenFile
+from statereg.backends.stores import ReadableStore
 from statereg.formats.hf import SafetensorsDirectory, write_safetensors
 from statereg.formats.jsonstate import decode_state, encode_state
 from statereg.formats.names import TORCH_MODEL_NAME

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from statereg.backends.base import ReadableStore
+from statereg.backends.stores import ReadableStore
 from statereg.dcp.quiet import single_process_dcp
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner
 from statereg.errors import CheckpointMismatchError
@@ -31,10 +31,12 @@ class DCPDirectory:
 
     With `prefix`, only the items under it, named without it (`model.` for a component named
     `model`). Every rank plans its own reads (no collective): a DTensor takes its own shard.
+    `thread_count`: files read at once (the I/O policy's read_threads, engine/io_policy.py).
     """
 
-    def __init__(self, backend: ReadableStore, directory: str, prefix: str = "") -> None:
-        self.reader = BackendReader(backend, directory)
+    def __init__(self, backend: ReadableStore, directory: str, prefix: str = "",
+                 thread_count: int = 2) -> None:
+        self.reader = BackendReader(backend, directory, thread_count)
         self.prefix = prefix
         metadata = self.reader.read_metadata()
         everything = dcp_tensor_metas(metadata)

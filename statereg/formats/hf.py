@@ -16,8 +16,9 @@ from collections.abc import Callable
 import safetensors.torch
 import torch
 
-from statereg.backends.base import ReadableStore, StorageBackend
+from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import WrittenFile
+from statereg.backends.stores import ReadableStore
 from statereg.errors import CheckpointNotFoundError, CorruptCheckpointError
 from statereg.formats.names import (
     SAFETENSORS_INDEX_NAME,

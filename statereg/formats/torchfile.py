@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from statereg.backends.base import ReadableStore
+from statereg.backends.stores import ReadableStore
 from statereg.errors import CorruptCheckpointError, SpecError
 from statereg.formats.tensors import copy_full_into, tensor_meta
 from statereg.state.protocols import TensorMeta

@@ -112,11 +112,37 @@ class RankEntry(_Document):
     tasks: list[TaskEntry]
 
 
+class StoreEntry(_Document):
+    """What kind of store the root is: facts its I/O policy is derived from."""
+
+    medium: Literal["node-memory", "process-memory", "local-disk", "object-store",
+                    "filesystem"]
+    latency: Literal["memory", "disk", "network", "unknown"]
+    page_cache: bool = Field(description="Writes can go around this node's page cache.")
+
+
+class IOPolicyEntry(_Document):
+    """How saves and loads use the store (docs/design.md, "I/O policy")."""
+
+    write_threads: int = Field(description="Files each rank writes at once per component.")
+    read_threads: int = Field(description="Files each rank reads at once.")
+    parallel_components: bool = Field(
+        description="Whether a save writes its components' files at the same time.")
+    broadcast_reads: bool = Field(
+        description="Whether one rank reads bytes several need and broadcasts them.")
+    record_crcs: bool = Field(description="Whether tensor records carry zip CRC-32s.")
+    write_around_cache: bool = Field(
+        description="Whether tensor files are written around the page cache (O_DIRECT).")
+
+
 class PlanOutput(_Document):
     """`statereg plan --json statereg.yaml`: the plan each rank runs."""
 
     command: Literal["plan"] = "plan"
     storage: str
+    store: StoreEntry
+    io: IOPolicyEntry = Field(description="The I/O policy derived for this store and "
+                              "declaration.")
     world_size: int
     ranks: list[RankEntry] = Field(description="Every rank, or only --rank's.")
 

@@ -11,9 +11,11 @@ import os
 import threading
 from collections.abc import Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 from typing import Any
 
 from statereg.backends.base import StoredFile
+from statereg.backends.capabilities import StoreCapabilities
 from statereg.backends.checksum import Recorded, verify_stream
 from statereg.backends.local import temporary_name
 from statereg.backends.shm import (
@@ -24,9 +26,9 @@ from statereg.backends.shm import (
     shm_dir,
     used_bytes,
 )
+from statereg.backends.stores import ReadOnlyStore
 from statereg.errors import StorageError
 from statereg.tiers.lock import LOCK_NAME
-from statereg.tiers.transport.client import PeerBackend
 
 
 def check_room(memory: SharedMemoryBackend, needed: int, what: str) -> None:
@@ -75,24 +77,32 @@ class NodeMemoryBackend(SharedMemoryBackend):
     in turn, and shows those files in `walk` as if they were here.
     """
 
-    def __init__(self, url: str, peers: list[PeerBackend] | None = None) -> None:
+    def __init__(self, url: str, peers: Sequence[ReadOnlyStore] | None = None) -> None:
         super().__init__(url)
         self.peers = list(peers or [])
         self.holders: dict[str, tuple[int, list[int]]] = {}
-        self.broadcast_reads = False
-        self._found: dict[str, PeerBackend] = {}
+        # Whether some file of the step being loaded is on peers only (`locate`).
+        self.on_peers = False
+        self._found: dict[str, ReadOnlyStore] = {}
         self._lock = threading.Lock()
 
-    def locate(self, holders: dict[str, tuple[int, list[int]]], broadcast_reads: bool) -> None:
+    def locate(self, holders: dict[str, tuple[int, list[int]]], on_peers: bool) -> None:
         """What a restore found (tiers/restore.py, alike on every rank): which peers hold
-        each file of the step it loads, and whether ranks broadcast what one of them reads
-        (where some node lacks a file) instead of each reading its own node's memory."""
+        each file of the step it loads, and whether some node lacks a file (`on_peers`):
+        then reads cross the network (`capabilities`), and the I/O policy has ranks
+        broadcast what one of them reads instead of each reading its own node's memory."""
         with self._lock:
             self.holders = dict(holders)
             self._found.clear()
-        self.broadcast_reads = broadcast_reads
+        self.on_peers = on_peers
 
-    def _read_from(self, path: str) -> PeerBackend | None:
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        """Node memory; of network latency while some file is on peers only."""
+        here = super().capabilities
+        return replace(here, latency="network") if self.on_peers else here
+
+    def _read_from(self, path: str) -> ReadOnlyStore | None:
         """None if this node has `path`, else a peer that has it; None (this node, whose
         read then says the file is missing) if none has it. A peer that cannot be asked is
         passed over; its StorageError is raised if no other peer has the file."""
@@ -127,7 +137,7 @@ class NodeMemoryBackend(SharedMemoryBackend):
         peer = self._read_from(path)
         if peer is None:
             return super().read_bytes(path, limit)
-        tried: list[PeerBackend] = []
+        tried: list[ReadOnlyStore] = []
         while True:
             try:
                 return peer.read_bytes(path, limit)
@@ -140,7 +150,7 @@ class NodeMemoryBackend(SharedMemoryBackend):
                     raise
                 peer = following
 
-    def _next_holder(self, path: str, tried: list[PeerBackend]) -> PeerBackend | None:
+    def _next_holder(self, path: str, tried: list[ReadOnlyStore]) -> ReadOnlyStore | None:
         """A peer not in `tried` that answers that it holds `path` (None if none does)."""
         for peer in self.peers:
             if peer in tried:
@@ -203,7 +213,7 @@ class NodeMemoryBackend(SharedMemoryBackend):
                      if p.startswith(prefix) and p not in seen and nodes]
         return sorted(here + elsewhere, key=lambda f: f.path)
 
-    def fetch(self, peer: PeerBackend, path: str, record: Recorded) -> None:
+    def fetch(self, peer: ReadOnlyStore, path: str, record: Recorded) -> None:
         """Copy `path` from `peer` into this node's folder (a replica), checked against its
         manifest `record` as it is copied; a reader never sees a part of it, nor a copy that
         does not match (the peer's file rewritten under it, say by the page reuse of a

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from statereg.backends import FileRecorder, open_backend
-from statereg.backends.local import _DIRECT_CHUNK
+from statereg.backends.local_reads import DIRECT_CHUNK as _DIRECT_CHUNK
 from statereg.dcp.reader import BackendReader, SafeLoadPlanner, load_in_place
 from statereg.dcp.writer import BackendWriter
 

@@ -20,6 +20,7 @@ from statereg.backends.azure import AzureBackend
 from statereg.backends.gcs import GCSBackend
 from statereg.backends.registry import backend_class, open_backend
 from statereg.backends.s3 import S3Backend
+from statereg.engine.io_policy import io_policy
 
 PACKAGE = {"s3": "s3fs", "gcs": "gcsfs", "azure": "adlfs"}
 SCHEME = {"s3": "s3", "gcs": "gs", "azure": "az"}
@@ -178,7 +179,8 @@ def test_azure_keeps_no_listing_cache_and_writes_like_the_other_object_stores(az
     backend = open_backend(azure_store.url, azure_store.options)
     assert isinstance(backend, AzureBackend)
     assert backend.fs.dircache.use_listings_cache is False  # adlfs caches listings otherwise
-    assert backend.default_io_threads == S3Backend.default_io_threads == 8
+    assert io_policy(backend.capabilities) == io_policy(S3Backend.kind)
+    assert io_policy(backend.capabilities).read_threads == 8
     written = backend.write_bytes("step_00000001/model/__0_0.distcp", b"tensor bytes")
     assert (written.path, written.size) == ("step_00000001/model/__0_0.distcp", 12)
     assert backend.read_bytes("step_00000001/model/__0_0.distcp") == b"tensor bytes"

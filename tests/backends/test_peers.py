@@ -4,8 +4,11 @@ its peers over 127.0.0.1, and a backend that reads what its own node lacks from 
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import socket
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +17,14 @@ import pytest
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import checksum_of, new_hasher
+from statereg.backends.registry import open_backend
+from statereg.backends.stores import ReadOnlyStore
 from statereg.engine.verify import verify_files
 from statereg.errors import CorruptCheckpointError, StorageError
 from statereg.schemas.manifest import FileRecord
 from statereg.tiers.node_memory import NodeMemoryBackend
 from statereg.tiers.transport import PeerServer, open_peer
+from statereg.tiers.transport.client import PeerBackend
 
 DATA = bytes(range(256)) * 64
 
@@ -220,6 +226,32 @@ def test_a_wrong_secret_is_refused_with_a_storage_error_and_a_peer_only_reads(
                 if hasattr(peer, name)]
     with pytest.raises(StorageError, match="is not a peer server's URL"):
         open_peer(f"{server.url}/token", server.secret)
+
+
+def _only_raise(cls: type) -> list[str]:
+    """The methods of `cls` whose body, past a docstring, is one `raise`."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            body = [s for s in node.body if not (isinstance(s, ast.Expr)
+                                                and isinstance(s.value, ast.Constant))]
+            if len(body) == 1 and isinstance(body[0], ast.Raise):
+                found.append(node.name)
+    return found
+
+
+def test_the_peer_and_every_backend_are_one_read_only_store_with_nothing_that_refuses(
+        nodes, tmp_path: Path) -> None:
+    """A node's memory falls back to a peer typed as a ReadOnlyStore: the peer has its read
+    methods, and none of its methods only raises (it is no backend refusing writes)."""
+    memory, _, server = nodes
+    peer = open_peer(server.url, server.secret)
+    assert isinstance(peer, ReadOnlyStore)
+    assert isinstance(memory, ReadOnlyStore)
+    assert isinstance(open_backend(str(tmp_path)), ReadOnlyStore)
+    assert isinstance(open_backend("memory://read-only-store"), ReadOnlyStore)
+    assert _only_raise(PeerBackend) == []
 
 
 def test_a_kept_connection_the_server_has_since_closed_is_replaced(nodes) -> None:

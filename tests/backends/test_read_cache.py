@@ -27,9 +27,10 @@ from torch import nn
 
 import statereg
 from statereg.backends import local, open_backend
-from statereg.backends.base import WRITE_AROUND_CACHE
 from statereg.backends.checksum import WrittenFile, checksum_of, new_hasher
-from statereg.backends.local import _in_memory, keeps_pages
+from statereg.backends.kernel import in_memory
+from statereg.backends.local import keeps_pages
+from statereg.backends.local_writes import DIRECT_WRITE_CHUNK
 from statereg.errors import StorageError
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -114,7 +115,7 @@ def assert_loaded(run: Run, expected: dict[str, torch.Tensor]) -> None:
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
-    if _in_memory(str(tmp_path)):
+    if in_memory(str(tmp_path)):
         pytest.skip("the temporary folder is in memory (tmpfs): it has no page cache to spare")
     return tmp_path / "ckpts"
 
@@ -220,12 +221,12 @@ def test_an_unknown_read_cache_is_refused_naming_the_field(tmp_path):
 
 @pytest.mark.parametrize("ask", ["cachestat", "mincore"])
 def test_residency_is_asked_without_reading_the_file(root, monkeypatch, ask):
-    """`_cached_share` (whether a load reads a file from the cache or around it) answers by
+    """`kernel.cached_share` (whether a load reads a file from the cache or around it) answers by
     cachestat(2), or mincore(2) where the kernel has none, and reads nothing either way."""
-    from statereg.backends import local
+    from statereg.backends import kernel
 
     if ask == "mincore":
-        monkeypatch.setattr(local, "_cachestat_works", False)
+        monkeypatch.setattr(kernel, "_cachestat_works", False)
     root.mkdir(parents=True)
     path = root / "data.distcp"
     pages = 4
@@ -233,20 +234,20 @@ def test_residency_is_asked_without_reading_the_file(root, monkeypatch, ask):
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY)
     try:
-        if ask == "cachestat" and local._cached_pages(local._libc(), fd, 0, 1) is None:
+        if ask == "cachestat" and kernel.cached_pages(kernel.load_libc(), fd, 0, 1) is None:
             pytest.skip("this kernel has no cachestat(2) (Linux 6.5)")
         os.read(fd, size)  # every page cached
-        assert local._cached_share(fd, [(0, size)]) == 1.0
+        assert kernel.cached_share(fd, [(0, size)]) == 1.0
         evict([path])
         before = disk_reads()
-        assert local._cached_share(fd, [(0, size)]) == 0.0
-        assert local._cached_share(fd, [(size - 50, size)]) == 0.0  # the last, partial page
+        assert kernel.cached_share(fd, [(0, size)]) == 0.0
+        assert kernel.cached_share(fd, [(size - 50, size)]) == 0.0  # the last, partial page
         assert disk_reads() == before and resident(path)[0] == 0
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around the next read
         os.pread(fd, 10, mmap.PAGESIZE)  # one page back
-        assert local._cached_share(fd, [(mmap.PAGESIZE + 1, mmap.PAGESIZE + 9)]) == 1.0
-        assert local._cached_share(fd, [(0, size)]) == 1 / pages
-        assert local._cached_share(fd, [(0, 10), (mmap.PAGESIZE, mmap.PAGESIZE + 10)]) == 0.5
+        assert kernel.cached_share(fd, [(mmap.PAGESIZE + 1, mmap.PAGESIZE + 9)]) == 1.0
+        assert kernel.cached_share(fd, [(0, size)]) == 1 / pages
+        assert kernel.cached_share(fd, [(0, 10), (mmap.PAGESIZE, mmap.PAGESIZE + 10)]) == 0.5
     finally:
         os.close(fd)
 
@@ -300,25 +301,15 @@ def test_compressed_data_files_are_written_around_the_cache_unless_kept(root, po
         assert all(count == pages for count, pages in map(resident, files))
 
 
-@contextlib.contextmanager
-def around_cache() -> Iterator[None]:
-    token = WRITE_AROUND_CACHE.set(True)
-    try:
-        yield
-    finally:
-        WRITE_AROUND_CACHE.reset(token)
-
-
-@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, local._DIRECT_WRITE_CHUNK - 1,
-                                  local._DIRECT_WRITE_CHUNK, 3 * local._DIRECT_WRITE_CHUNK + 123])
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, DIRECT_WRITE_CHUNK - 1,
+                                  DIRECT_WRITE_CHUNK, 3 * DIRECT_WRITE_CHUNK + 123])
 def test_a_file_written_around_the_cache_holds_exactly_its_bytes(root, size):
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     cuts = sorted(np.random.default_rng(size + 1).integers(0, size + 1, 7).tolist())
     pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, size], strict=True)]
     reported: list[WrittenFile] = []
-    backend = open_backend(str(root))
-    with around_cache():
-        writer = backend.open_write("f.distcp", reported.append)
+    backend = open_backend(str(root)).for_writing(around_cache=True)
+    writer = backend.open_write("f.distcp", reported.append)
     for piece in pieces:
         writer.write(piece)
     writer.close()
@@ -342,10 +333,9 @@ def test_a_filesystem_that_refuses_a_direct_write_gets_it_buffered(root, monkeyp
         return pwrite(fd, data, offset)
 
     monkeypatch.setattr(local.os, "pwrite", picky)
-    data = os.urandom(2 * local._DIRECT_WRITE_CHUNK + 5)
-    backend = open_backend(str(root))
-    with around_cache():
-        writer = backend.open_write("f.distcp")
+    data = os.urandom(2 * DIRECT_WRITE_CHUNK + 5)
+    backend = open_backend(str(root)).for_writing(around_cache=True)
+    writer = backend.open_write("f.distcp")
     writer.write(data)
     writer.close()
     assert (root / "f.distcp").read_bytes() == data

@@ -16,7 +16,7 @@ import pytest
 import torch
 import xxhash
 
-from statereg.backends.local import available_memory
+from statereg.backends.kernel import available_memory
 from statereg.dcp import torch_private, torchsave
 from statereg.dcp.torchsave import crc_stream, crcs, layout, templates
 from statereg.errors import StateregError
@@ -86,7 +86,7 @@ def test_records_equal_torch_save_byte_for_byte_and_pass_zip_checks(name, sliced
 @pytest.mark.parametrize("path", ["as chosen", "through CrcRecords"])
 @pytest.mark.parametrize("name", list(TENSORS))
 def test_records_without_crcs_are_torch_saves_with_its_crc_option_off(name, path, monkeypatch):
-    # The memory tier's records (record_crcs False): what torch.save writes under
+    # The memory tier's records (IOPolicy.record_crcs False): what torch.save writes under
     # set_crc32_options(False), for any data of a layout, and torch.load reads them.
     if path != "as chosen":
         monkeypatch.setattr(templates, "TEMPLATED_UP_TO", -1)

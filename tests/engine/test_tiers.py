@@ -26,6 +26,7 @@ import statereg
 from statereg.backends.registry import open_backend
 from statereg.backends.shm import SharedMemoryBackend
 from statereg.engine.checkpoints import list_committed, read_manifest_at
+from statereg.engine.io_policy import io_policy
 from statereg.engine.verify import verify_files
 from statereg.engine.world import World, WorldLayout
 from statereg.errors import CorruptCheckpointError, SpecError, StateregError, StorageError
@@ -213,8 +214,10 @@ def test_memory_writers_share_the_cores_among_the_nodes_ranks(monkeypatch, cpus,
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
-    assert open_backend("shm://run7/writers").default_io_threads == writers
-    assert open_backend(str(tempfile.gettempdir())).default_io_threads == 2  # disk: unchanged
+    memory = io_policy(open_backend("shm://run7/writers").capabilities)
+    assert memory.write_threads == memory.read_threads == writers
+    disk = io_policy(open_backend(str(tempfile.gettempdir())).capabilities)
+    assert disk.write_threads == 2  # disk: unchanged
 
 
 MIB = 1 << 20

@@ -8,10 +8,12 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from statereg.backends.base import ReadableStore, StorageBackend
+from statereg.backends.base import StorageBackend
 from statereg.backends.checksum import FileRecorder
+from statereg.backends.stores import ReadableStore
 from statereg.dcp.codec import CompressionSettings
 from statereg.dcp.writer import WriteReport
+from statereg.engine.io_policy import IOPolicy
 from statereg.engine.plan import LoadTask, Task
 from statereg.engine.world import World
 from statereg.errors import SpecError
@@ -56,6 +58,7 @@ class WriteContext:
     world: World
     recorder: FileRecorder
     compression: CompressionSettings | None
+    io: IOPolicy  # how this store is written (engine/io_policy.py)
     reuse: Callable[[str], Any] | None = None  # directory -> what an incremental save reuses
 
 
@@ -65,7 +68,7 @@ class ReadContext:
 
     `records` are the manifest's files by path from the root (the checkpoint's own and the
     ones it references), or None with verify="off". With records, `backend` checks every
-    whole-file read against them (checksum.VerifiedReads) and DCP readers check each item as
+    whole-file read against them (verified.VerifiedReads) and DCP readers check each item as
     it is read; they also spare a size request per file.
     """
 
@@ -73,6 +76,7 @@ class ReadContext:
     name: str
     world: World
     records: Mapping[str, FileRecord] | None
+    io: IOPolicy  # how this store is read (engine/io_policy.py)
     strict: bool = True
 
     def read_once(self, path: str, collective: str | None) -> bytes:

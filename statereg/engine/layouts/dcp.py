@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from statereg.backends.base import ReadableStore
 from statereg.backends.checksum import FileRecorder, WrittenFile
+from statereg.backends.stores import ReadableStore
 from statereg.dcp import METADATA_NAME
 from statereg.dcp.metadata import load_dcp_metadata, metadata_digest
 from statereg.dcp.planner import PLAIN_TENSOR_TYPES, StateregSavePlanner, plan_digest
@@ -225,9 +225,10 @@ class DCPLayout:
         task = item.task
         group = ctx.world.process_group(task.collective)
         writer = BackendWriter(ctx.backend, f"{ctx.name}/{task.directory}", ctx.recorder,
-                               thread_count=task.io_threads or ctx.backend.default_io_threads,
+                               thread_count=ctx.io.write_threads,
                                compression=ctx.compression,
-                               reuse=ctx.reuse(task.directory) if ctx.reuse else None)
+                               reuse=ctx.reuse(task.directory) if ctx.reuse else None,
+                               crcs=ctx.io.record_crcs, around_cache=ctx.io.write_around_cache)
         plans = ctx.plans if isinstance(ctx, PlannedWriteContext) else None
         if plans is not None and plans.writes_again(task.component):
             plans.write_again(task.component, writer)
@@ -252,7 +253,8 @@ class DCPLayout:
         if f"{task.directory}/{SIDECAR_NAME}" in record.files:
             sidecar_bytes = ctx.read_once(f"{directory}/{SIDECAR_NAME}", task.collective)
         metadata = ctx.read_once(f"{directory}/{METADATA_NAME}", task.collective)
-        reader = GroupReader(ctx.backend, directory, ctx.records, metadata, ctx.world, group)
+        reader = GroupReader(ctx.backend, directory, ctx.records, metadata, ctx.world, group,
+                             ctx.io.read_threads, ctx.io.broadcast_reads)
         found = None
         with caught() as checking:
             found = _checked_targets(task, record, adapter, ctx, reader, sidecar_bytes)
@@ -381,7 +383,8 @@ class GroupReader(BackendReader):
 
     `.metadata` comes as bytes, read once for the collective (ReadContext.read_once). With
     `shared` set (every rank of the collective needs the same items: a replicated or global
-    component, a group's copy), each data file is read by one rank only (`assign_files`),
+    component, a group's copy) and `broadcast` (the I/O policy's `broadcast_reads`), each data
+    file is read by one rank only (`assign_files`),
     checked item by item as any read is, and its items are broadcast from that rank over the
     collective's gloo group: the job reads each stored byte once. A failed read is raised
     on every rank before anything is sent (a damaged item: CorruptCheckpointError on all).
@@ -389,9 +392,10 @@ class GroupReader(BackendReader):
 
     def __init__(self, backend: ReadableStore, path: str,
                  records: Mapping[str, FileRecord] | None, metadata: bytes, world: World,
-                 group: Any) -> None:
-        super().__init__(backend, path, records=records)
+                 group: Any, thread_count: int, broadcast: bool) -> None:
+        super().__init__(backend, path, thread_count, records=records)
         self.source = backend
+        self.broadcast = broadcast  # the I/O policy's broadcast_reads
         self.metadata_bytes = metadata
         self.metadata_digest = metadata_digest(metadata)  # read_metadata and the plan's key
         self.world = world
@@ -409,7 +413,7 @@ class GroupReader(BackendReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        if not self.shared or not self.source.broadcast_reads:
+        if not self.shared or not self.broadcast:
             return super().read_data(plan, planner)
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:

@@ -170,11 +170,11 @@ class PeerBackend:
     request, plus 1 s per _MIN_RATE bytes it received.
 
     It is what NodeMemoryBackend (tiers/node_memory.py) falls back to for a file its node
-    lacks, with the read operations of a StorageBackend (`exists`, `size`, `read_bytes`,
-    `read_range`, `open_read`, `open_ranges`, `open_blocks`) and no others. It is neither a
-    StorageBackend nor a whole backends.base.ReadableStore: a load reads through the node's
-    NodeMemoryBackend (which is one), never through a peer, and a peer's server lists
-    nothing.
+    lacks: a `backends.stores.ReadOnlyStore`, as every StorageBackend is (`exists`, `size`,
+    `read_bytes`, `read_range`, `open_read`, `open_ranges`, `open_blocks`), with no write
+    or delete to refuse. It is not a whole `stores.ReadableStore`: a load reads through the
+    node's NodeMemoryBackend (which is one), never through a peer, and a peer's server
+    lists nothing.
     """
 
     def __init__(self, url: str, secret: bytes, timeout: float | None = None) -> None:
