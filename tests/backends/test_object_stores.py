@@ -221,6 +221,46 @@ def test_an_s3_file_is_uploaded_in_parts_while_it_is_written_and_an_abort_leaves
     assert not backend.exists("data/__0_1.distcp")
 
 
+@pytest.mark.parametrize("signed", [False, True])
+def test_s3_parts_leave_as_views_with_their_crc32_unsigned_unless_asked(
+        s3_kind_store, monkeypatch, signed):
+    """Each part goes to the socket as a view of its buffer, with the CRC32 header computed
+    by the writing thread and no SHA-256 of the body (over http botocore signs every body
+    unless told not to); `payload_signing_enabled: true` in config_kwargs signs them again,
+    and the user's other config_kwargs are kept."""
+    import base64
+    import zlib
+
+    monkeypatch.setattr(S3Backend, "upload_options", {"chunksize": 5 * 2**20})
+    options = {**s3_kind_store.options, "config_kwargs": {
+        "retries": {"max_attempts": 2}, **({"s3": {"payload_signing_enabled": True}}
+                                           if signed else {})}}
+    backend = open_backend(s3_kind_store.url, options)
+    assert backend.fs.config_kwargs["retries"] == {"max_attempts": 2}
+    sent: list[tuple[str, str, str, str]] = []
+
+    def record(request: Any, **_: Any) -> None:
+        body = request.body
+        headers = {k: v.decode() if isinstance(v, bytes) else v
+                   for k, v in request.headers.items()}
+        sent.append((type(body).__name__, headers["X-Amz-Content-SHA256"],
+                     headers["x-amz-checksum-crc32"],
+                     base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()))
+
+    backend.fs.s3.meta.events.register_last("before-send.s3.UploadPart", record)
+    data = torch.randint(0, 256, (12 * 2**20,), dtype=torch.uint8).numpy().tobytes()
+    with backend.open_write("data/__0_0.distcp") as stream:
+        stream.write(data)
+    assert backend.read_bytes("data/__0_0.distcp") == data
+    assert len(sent) == 3
+    for body_type, content_sha256, crc32, crc32_of_body in sent:
+        assert crc32 == crc32_of_body
+        if signed:
+            assert len(content_sha256) == 64
+        else:
+            assert body_type == "memoryview" and content_sha256 == "UNSIGNED-PAYLOAD"
+
+
 def test_an_s3_load_streams_ranged_chunks_into_the_tensors_within_the_read_window(
         s3_kind_store, monkeypatch):
     """A load holds at most (read_ahead + 1) x read_chunk of an object beyond its tensors
