@@ -19,11 +19,12 @@ the central directory and the end records (past 4 GiB, zip64: the extra field in
 24-byte descriptors). `CrcRecords` follows those pieces and refuses (`Unexpected`) anything
 else, before any byte of the unexpected piece is passed on.
 
-With `crcs=False` (a memory root: `IOPolicy.record_crcs`, engine/io_policy.py) every CRC-32 stays zero, as
-`torch.save` writes under `torch.serialization.set_crc32_options(False)`: torch.load and DCP
-read such records (neither checks a record's CRC-32: a flipped payload byte loads silently),
-and statereg checks every item's bytes with its own xxh3 digest, so in memory the CRC pass
-buys nothing (benchmarks/results/journal.md, "Memory saves into kept mappings, without CRC-32s").
+With `crcs=False` (a memory root: `IOPolicy.record_crcs`, engine/io_policy.py) every CRC-32
+stays zero, as `torch.save` writes under `torch.serialization.set_crc32_options(False)`:
+torch.load and DCP read such records (neither checks a record's CRC-32: a flipped payload
+byte loads silently), and statereg checks every item's bytes with its own xxh3 digest, so
+in memory the CRC pass buys nothing (benchmarks/results/journal.md, "Memory saves into kept
+mappings, without CRC-32s").
 """
 
 from __future__ import annotations
