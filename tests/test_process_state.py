@@ -152,7 +152,7 @@ def test_every_entry_is_live_state_with_a_reason_and_named_in_the_design():
 
 
 def test_clearing_empties_the_caches_a_save_and_load_filled(make_spec, make_model, tmp_path):
-    from statereg.backends import local, registry
+    from statereg.backends import kernel, registry
     from statereg.dcp import codec, metadata, reader
     from statereg.dcp.torchsave import crc_stream, read, templates
 
@@ -170,14 +170,14 @@ def test_clearing_empties_the_caches_a_save_and_load_filled(make_spec, make_mode
               "walks": read._walks, "templates": templates._templates,
               "fsspec": type(memory.fs)._cache}
     assert all(filled.values()), filled
-    assert local._in_memory.cache_info().currsize and crc_stream._checked is True
+    assert kernel.in_memory.cache_info().currsize and crc_stream._checked is True
     assert codec._local.compressors  # this thread's zstd compressors
     backends = dict(registry._BACKENDS)
 
     cleared = statereg.clear_process_state()
 
     assert not any(filled.values()), filled
-    assert not local._in_memory.cache_info().currsize
+    assert not kernel.in_memory.cache_info().currsize
     assert crc_stream._checked is None and not hasattr(codec._local, "compressors")  # asked anew
     assert reader._load_plans is filled["load plans"]  # cleared in place, not replaced
     assert "statereg.dcp.reader._load_plans" in cleared

@@ -332,7 +332,7 @@ class _StreamedRanges(PositionedReads):
         self._starts = [s for s, _ in self._chunks]
         self._ahead = max(1, ahead)
         self._fetching: dict[int, concurrent.futures.Future] = {}
-        self._held = (0, 0, _NOTHING)  # (start, index, pieces) of the chunk being read
+        self._held = (0, 0, _Received([]))  # (start, index, pieces) of the chunk being read
 
     def _fetch(self, index: int) -> concurrent.futures.Future:
         """Start the GET of chunk `index` (headers and body, on s3fs's loop) unless it is."""
@@ -382,7 +382,7 @@ class _StreamedRanges(PositionedReads):
         for future in self._fetching.values():
             future.cancel()
         self._fetching.clear()
-        self._held = (0, 0, _NOTHING)
+        self._held = (0, 0, _Received([]))
         super().close()
 
 
@@ -413,8 +413,6 @@ class _Received:
         return done
 
 
-_NOTHING = _Received([])
-
 
 async def _get_range(backend: S3Backend, path: str, start: int, end: int) -> _Received:
     """Bytes [start, end) of the object, fewer if it ends sooner (none past its end)."""
@@ -424,7 +422,7 @@ async def _get_range(backend: S3Backend, path: str, start: int, end: int) -> _Re
                                              Range=f"bytes={start}-{end - 1}")
     except Exception as exc:
         if _s3_error_code(exc) == "InvalidRange" or "InvalidRange" in str(exc):
-            return _NOTHING  # the object ends before `start`: a truncated file reads short
+            return _Received([])  # the object ends before `start`: a truncated file reads short
         raise
     async with response["Body"] as body:
         # aiohttp's chunks as they arrived: body.read() would join them into one more copy.
