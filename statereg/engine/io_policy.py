@@ -30,7 +30,7 @@ class IOPolicy:
     write_threads: int
     """Files each rank writes at once per component (storage.io_threads, else the store's)."""
     read_threads: int
-    """Files each rank reads at once: the store's (loads do not read storage.io_threads)."""
+    """Files each rank reads at once (storage.io_threads, else the store's)."""
     parallel_components: bool
     """Whether a save writes its components' files at the same time (where no component
     needs a collective)."""
@@ -96,7 +96,7 @@ def io_policy(store: StoreCapabilities, *, io_threads: int | None = None,
         default = DEFAULT_THREADS
     return IOPolicy(
         write_threads=io_threads or default,
-        read_threads=default,
+        read_threads=io_threads or default,
         parallel_components=not node_memory and not (
             compressed and store.medium == "local-disk"),
         broadcast_reads=not (node_memory and store.latency == "memory"),
