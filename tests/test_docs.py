@@ -79,3 +79,27 @@ def test_the_sharing_table_in_the_docs_is_the_one_the_schema_enforces() -> None:
     from statereg.schemas.sharing import render_table
 
     assert render_table() in (REPO / "docs" / "distributed.md").read_text()
+
+
+def test_the_quickstart_shows_what_statereg_plan_prints(tmp_path: Path) -> None:
+    """quickstart.md's `statereg plan` samples are the tool's output for its declaration (and
+    for that declaration with the typo the text describes), line for line."""
+    text = (REPO / "docs" / "quickstart.md").read_text()
+    declaration = re.search(r"```yaml\n(# statereg\.yaml\n.*?)```", text, re.DOTALL)
+    samples = re.findall(r"```console\n\$ statereg plan statereg\.yaml\n(.*?)```", text,
+                         re.DOTALL)
+    assert declaration and len(samples) == 2, "quickstart.md lost its declaration or samples"
+
+    def plan(yaml: str) -> subprocess.CompletedProcess[str]:
+        (tmp_path / "statereg.yaml").write_text(yaml)
+        return subprocess.run([sys.executable, "-m", "statereg", "plan", "statereg.yaml"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    def lines(out: str) -> list[str]:
+        return [line.rstrip() for line in out.strip("\n").splitlines()]
+
+    good = plan(declaration.group(1))
+    assert good.returncode == 0, good.stderr
+    assert lines(good.stdout) == lines(samples[0])
+    typo = plan(declaration.group(1).replace("{kind: model}", "{kind: model, sharing: shardd}"))
+    assert typo.returncode == 2 and lines(typo.stderr) == lines(samples[1])
