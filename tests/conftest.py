@@ -166,7 +166,7 @@ def plain_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
     def bypassed(*args: object, **kwargs: object) -> None:
         raise RecordCodeRan("statereg's record code ran under STATEREG_PLAIN_TORCH_SAVE=1")
 
-    for module, name in [(crc_stream, "save_crc_records"), (templates, "template"),
+    for module, name in [(crc_stream, "save_crc_records"), (templates, "write_templated"),
                          (crcs, "_add_crcs"), (read, "_read_into"), (read, "_walked")]:
         monkeypatch.setattr(module, name, bypassed)
 

@@ -476,3 +476,19 @@ def test_before_after_times_two_trees_in_one_table(
     rows = [line.split("|")[1].strip() for line in stdout.splitlines()[2:]]
     assert rows == [f"{store} {what}" for store in ("local", "local zstd", "memory://")
                     for what in ("save", "load")]
+
+
+def test_bench_small_tensors_quick_reports_cpu_seconds_per_save_and_load_of_each_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 200 tensors into a memory:// root and a directory, each load checked bit for bit by
+    # the script (a mismatch exits non-zero), one save and one load profiled.
+    stdout = run_here(monkeypatch, capsys, tmp_path, "bench_small_tensors.py", "--quick",
+                      "--profile", "5")
+    lines = stdout.splitlines()
+    assert lines[0].startswith("200 tensors, 4-64 KB")
+    assert sum("profile of one save" in line for line in lines) == 2
+    results = [line for line in lines if "save CPU-s median" in line]
+    assert len(results) == 2 and results[0].startswith("memory://")
+    assert results[1].startswith("/")  # the temporary directory
+    assert all(re.search(r"load CPU-s median \d+\.\d\d", r) for r in results)

@@ -240,6 +240,33 @@ def test_only_a_layouts_first_record_runs_torchs_writer(monkeypatch):
     assert made[-1] == tuple(big.shape) and len(templates._templates) == 2
 
 
+def test_a_model_of_thousands_of_distinct_small_shapes_keeps_every_template(monkeypatch):
+    # 20,000 small tensors of distinct sizes (benchmarks/bench_small_tensors.py): a cap of
+    # 4,096 templates had every save miss nearly every layout, running torch's writer again.
+    assert templates.templates_checked()
+    made = []
+    real = crc_stream.save_crc_records
+
+    def counted(tensor, out, sliced, crcs=True):
+        made.append(tuple(tensor.shape))
+        real(tensor, out, sliced, crcs)
+
+    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(crc_stream, "save_crc_records", counted)
+    tensors = [torch.randn(n) for n in range(1, 5001)]
+    for _ in range(2):  # two saves of the same model
+        for tensor in tensors:
+            torchsave.save_record(tensor, io.BytesIO())
+    assert len(made) == 5000  # the first save's, once per layout
+    assert record_bytes(tensors[-1]) == torch_save_bytes(tensors[-1])
+    # The bound is on bytes: past it the templates are forgotten and made again.
+    monkeypatch.setattr(templates, "_TEMPLATE_BYTES_KEPT", 10 * (templates._TEMPLATE_OVERHEAD
+                                                                 + 2048))
+    for n in range(5001, 5101):  # layouts not seen yet
+        torchsave.save_record(torch.randn(n), io.BytesIO())
+    assert 0 < len(templates._templates) <= 10
+
+
 def test_a_torch_whose_records_hold_more_data_dependent_bytes_gets_no_templates(monkeypatch):
     # The probe writes a second tensor of each probe's layout through its template: were the
     # records to depend on the data anywhere else, templates would stay off for the process.

@@ -38,7 +38,13 @@ from statereg.process_state import process_wide
 # torch's per-record work is nothing beside the bytes' own, and records stay below zip64's
 # limits.
 TEMPLATED_UP_TO = 64 << 20
-_TEMPLATES_KEPT = 4096
+# Templates kept per process, by their bytes (a small tensor's is ~1.5 KB, ~2.5 KB with
+# Python's objects, counted here): a model of 20,000 distinct small shapes keeps all of them
+# (~50 MB). A cap by count (4,096) had every save of such a model miss nearly every layout,
+# and a miss serialized each tensor twice (benchmarks/results/journal.md, "Many small
+# tensors").
+_TEMPLATE_BYTES_KEPT = 64 << 20
+_TEMPLATE_OVERHEAD = 1024
 
 
 class Template:
@@ -54,8 +60,9 @@ class Template:
     writer then does. torch's pickler and ~40 pieces through Python per record are spared:
     ~20 us a record instead of 150-300 us. A record of another shape (zip64, the id before
     the payload, a second storage) raises Unexpected and its layout keeps the plain path.
-    The first record of a layout is serialized twice (once to make the template), which a
-    save of the same shapes pays once per process.
+    The first record of a layout is serialized by torch's writer into memory, written out,
+    and made the template (`write_templated`), which a save of the same shapes pays once per
+    process.
     """
 
     def __init__(self, record: bytes, payload: int, crcs: bool = True) -> None:
@@ -144,29 +151,60 @@ def _entries(record: bytes) -> list[tuple[str, int, int, int]]:
 _templates: dict[tuple[Any, ...], Template | None] = {}
 process_wide(__name__, "_templates", "one record template per tensor layout, made from its "
              "first record")
+_kept_bytes = 0
+process_wide(__name__, "_kept_bytes", "the bytes `_templates` holds, as "
+             "_TEMPLATE_BYTES_KEPT counts them")
 _NOT_MADE = object()
 
 
-def template(tensor: torch.Tensor, nbytes: int, crcs: bool) -> Template | None:
-    """The template of `tensor`'s layout (with or without CRC-32s), made from its first
-    record; None for a layout whose record is not as Template expects."""
+def write_templated(tensor: torch.Tensor, nbytes: int, out: Any, sliced: bool,
+                    crcs: bool) -> bool:
+    """Write `tensor`'s record from its layout's template, or, for the layout's first tensor,
+    the record the template is made from (torch's writer runs once per layout, not twice);
+    False, writing nothing, for a layout whose record is not as Template expects."""
     key = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
            nbytes, tensor.requires_grad, torch_private.storage_alignment(), crcs)
     found = _templates.get(key, _NOT_MADE)
+    if found is None:
+        return False
     if found is not _NOT_MADE:
-        return cast("Template | None", found)
-    made = _make_template(tensor, nbytes, crcs)
-    if len(_templates) >= _TEMPLATES_KEPT:  # layouts that come and go (one-off shapes)
+        cast("Template", found).write(tensor, out, sliced)
+        return True
+    record = io.BytesIO()
+    crc_stream.save_crc_records(tensor, record, sliced=False, crcs=crcs)
+    made = _template_of(record.getvalue(), nbytes, crcs)
+    _keep(key, made)
+    data = record.getbuffer()
+    step = layout.SLICE if sliced else max(1, len(data))
+    for start in range(0, len(data), step):
+        out.write(data[start:start + step])
+    out.flush()  # as torch.save ends
+    return True
+
+
+def _keep(key: tuple[Any, ...], made: Template | None) -> None:
+    """Remember `made` for `key`, first forgetting every template once they hold
+    _TEMPLATE_BYTES_KEPT (layouts that come and go: one-off shapes)."""
+    global _kept_bytes
+    size = _TEMPLATE_OVERHEAD + (len(made.prefix) + len(made.suffix) if made else 0)
+    if not _templates:  # cleared, here or by clear_process_state
+        _kept_bytes = 0
+    if _kept_bytes + size > _TEMPLATE_BYTES_KEPT:
         _templates.clear()
+        _kept_bytes = 0
     _templates[key] = made
-    return made
+    _kept_bytes += size
 
 
 def _make_template(tensor: torch.Tensor, nbytes: int, crcs: bool = True) -> Template | None:
     record = io.BytesIO()
     crc_stream.save_crc_records(tensor, record, sliced=False, crcs=crcs)
+    return _template_of(record.getvalue(), nbytes, crcs)
+
+
+def _template_of(record: bytes, nbytes: int, crcs: bool) -> Template | None:
     try:
-        return Template(record.getvalue(), nbytes, crcs)
+        return Template(record, nbytes, crcs)
     except (Unexpected, struct.error):
         return None
 

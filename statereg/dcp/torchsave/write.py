@@ -35,11 +35,9 @@ def save_record(tensor: torch.Tensor, out: Any, sliced: bool = True,
     nbytes = tensor.untyped_storage().nbytes()
     if (nbytes <= templates.TEMPLATED_UP_TO and not tensor.is_conj() and not tensor.is_neg()
             and not tensor.__dict__  # what else torch pickles with a tensor
-            and templates.templates_checked()):
-        template = templates.template(tensor, nbytes, crcs)
-        if template is not None:
-            template.write(tensor, out, sliced)
-            return
+            and templates.templates_checked()
+            and templates.write_templated(tensor, nbytes, out, sliced, crcs)):
+        return
     crc_stream.save_crc_records(tensor, out, sliced, crcs)
 
 
