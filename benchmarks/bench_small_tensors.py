@@ -61,9 +61,13 @@ def cpu_of(operation: Callable[[], Any], profile: cProfile.Profile | None) -> fl
     return time.process_time() - start
 
 
-def run(url: str, module: Flat, reps: int, top: int | None) -> tuple[list[float], list[float]]:
+def run(url: str, module: Flat, reps: int, top: int | None,
+        io_threads: int | None) -> tuple[list[float], list[float]]:
+    storage: dict[str, Any] = {"url": url}
+    if io_threads:
+        storage["io_threads"] = io_threads
     mgr = statereg.CheckpointManager(
-        {"storage": {"url": url}, "save": {"keep_last": 2},
+        {"storage": storage, "save": {"keep_last": 2},
          "components": {"model": {"kind": "model"}}}, model=module)
     expected = {name: p.detach().clone() for name, p in module.named_parameters()}
     saves, loads = [], []
@@ -107,6 +111,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="timed saves and loads each (3)")
     parser.add_argument("--profile", type=int, nargs="?", const=30, default=None,
                         help="print the top N functions of one save and one load (30)")
+    parser.add_argument("--io-threads", type=int, default=None,
+                        help="storage.io_threads (default: the configuration's); 1 puts all "
+                             "the work in the thread --profile sees")
     parser.add_argument("--quick", action="store_true", help="smoke test: 200 tensors, 1 rep")
     args = parser.parse_args()
     if args.quick:
@@ -122,7 +129,8 @@ def main() -> None:
                 url = f"memory://statereg-small-{os.getpid()}"
             elif url == "local":
                 url = os.path.join(temporary, "ckpt")
-            saves, loads = run(url, module, args.reps, args.profile)
+            saves, loads = run(url, module, args.reps, args.profile,
+                                args.io_threads)
             print(f"{url}: save CPU-s median {statistics.median(saves):.2f} "
                   f"({', '.join(f'{s:.2f}' for s in saves)}); load CPU-s median "
                   f"{statistics.median(loads):.2f} ({', '.join(f'{s:.2f}' for s in loads)})")

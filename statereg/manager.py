@@ -12,6 +12,7 @@ from typing import Any
 
 from statereg.backends.base import StorageBackend
 from statereg.backends.registry import open_backend, url_scheme
+from statereg.dcp.metadata import gc_paused
 from statereg.declaration import load_spec
 from statereg.engine.by_url import split_checkpoint_url
 from statereg.engine.cadence import Cadence, CadenceReport
@@ -406,6 +407,18 @@ class CheckpointManager:
             exclude += chosen.exclude
             include = include or chosen.include
         self.wait()
+        # The caller waits on the load: Python's cyclic garbage collector is paused. A load
+        # of 20,000 small tensors allocates ~10 objects an item that live until it ends, and
+        # the full collections they set off, each a pass over the whole heap, cost
+        # 0.5-1.2 CPU-s of a 3-4 s load (benchmarks/results/journal.md, "Many small
+        # tensors"); what it frees by reference counting is freed as ever.
+        with gc_paused():
+            return self._load(path, step, include, exclude, strict, verify, storage_options)
+
+    def _load(self, path: str | os.PathLike[str] | None, step: int | None,
+              include: list[str] | None, exclude: list[str], strict: bool, verify: VerifyMode,
+              storage_options: dict[str, Any] | None) -> LoadResult | None:
+        """`load` once its arguments are checked and any async save is done."""
 
         def load(backend: StorageBackend, committed: Committed) -> LoadResult:
             return self._load_committed(backend, committed, include, exclude, strict, verify)

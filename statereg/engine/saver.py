@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from statereg.backends.base import StorageBackend
+from statereg.dcp.metadata import gc_paused
 from statereg.engine.checkpoints import checkpoint_name
 from statereg.engine.layouts import Captured
 from statereg.engine.layouts.dcp import SavePlans
@@ -122,7 +123,21 @@ class Saver:
              after_commit: Callable[[str], None] | None = None) -> SaveHandle:
         """Save `step`; `after_commit(name)` runs once it is committed, on every rank, where
         the commit ran (in the background for an async save: memory tiers share, retain and
-        drain there, statereg/tiers/engine.py)."""
+        drain there, statereg/tiers/engine.py).
+
+        A sync save runs with Python's cyclic garbage collector paused: the caller waits on
+        it, and a save of 20,000 small tensors allocates objects that live until it ends,
+        whose full collections (each a pass over the whole heap) cost ~0.5 CPU-s of a 2.5 s
+        save (benchmarks/results/journal.md, "Many small tensors"). An async save leaves it
+        on: the training loop runs beside its writes."""
+        if self.spec.save.async_mode != "off":
+            return self._save(plan, adapters, step, tokens_seen, extra, after_commit)
+        with gc_paused():
+            return self._save(plan, adapters, step, tokens_seen, extra, after_commit)
+
+    def _save(self, plan: RankPlan, adapters: dict[str, Any], step: int,
+              tokens_seen: int | None, extra: dict[str, Any] | None,
+              after_commit: Callable[[str], None] | None) -> SaveHandle:
         # The manifest reader's own range (MAX_EXACT_INT): past it a committed manifest
         # would be one nobody reads, so it is refused here, before anything is written.
         if not exact_int(step) or step < 0:

@@ -157,6 +157,46 @@ def test_a_layout_is_walked_once_and_a_record_that_starts_otherwise_is_walked_ag
     assert len(walked) == 2 and not target.any()
 
 
+def test_a_record_whose_head_read_ends_inside_its_descriptor_is_read_in_place():
+    # The reader's first read (4 KB) holds all of a small tensor's payload, but for a few
+    # sizes not all of the data descriptor after it: that one is read on, not declined.
+    tensor = torch.randn(845)  # lead + payload end 12 bytes before the first read's end
+    stream, offset, length = record(tensor)
+    start, nbytes = read._walk_head(stream.getvalue()[offset:offset + read._HEAD_BYTES],
+                                    tensor.dtype, tuple(tensor.shape))
+    assert 0 < read._HEAD_BYTES - (start + nbytes) < read.DESCRIPTOR64.size
+    target, hasher = torch.zeros(845), xxhash.xxh3_64()
+    assert torchsave.read_into(stream, offset, length, target, hasher)
+    assert torch.equal(target, tensor)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(stream.getvalue()[offset:])
+
+
+def test_a_model_of_thousands_of_distinct_small_shapes_is_walked_once(monkeypatch):
+    # 20,000 small tensors of distinct sizes (benchmarks/bench_small_tensors.py): a cap of
+    # 4,096 walks had each load walk nearly every record again. The bound is on bytes.
+    assert read.reads_checked()  # the probe's own walks are not counted
+    monkeypatch.setattr(read, "_walks", {})
+    walked = []
+    real = read._walk_head
+
+    def counted(head, dtype, shape):
+        walked.append(shape)
+        return real(head, dtype, shape)
+
+    monkeypatch.setattr(read, "_walk_head", counted)
+    records = [(tensor, *record(tensor)) for tensor in map(torch.randn, range(1, 5001))]
+    for _ in range(2):  # two loads
+        for tensor, stream, offset, length in records:
+            target = torch.empty_like(tensor)
+            assert torchsave.read_into(stream, offset, length, target)
+            assert torch.equal(target, tensor)
+    assert len(walked) == 5000
+    monkeypatch.setattr(read, "_WALK_BYTES_KEPT", 10 * (read._WALK_OVERHEAD + 1024))
+    for tensor in map(torch.randn, range(5001, 5101)):  # layouts not seen yet
+        assert torchsave.read_into(*record(tensor), torch.empty_like(tensor))
+    assert 0 < len(read._walks) <= 10
+
+
 def test_a_head_the_walk_cannot_follow_is_read_through_the_central_directory():
     tensor = torch.randn(64)
     stream, offset, length = record(tensor)

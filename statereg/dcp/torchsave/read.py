@@ -217,8 +217,15 @@ _WALK_ERRORS = (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeErr
 # `start` bytes are the same has the same answer: the records of one layout (torch.save
 # writes them alike) are walked once, then compared.
 _walks: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, int, int]] = {}
-_WALKS_KEPT = 4096
 process_wide(__name__, "_walks", "each tensor layout's record head is walked once, then compared")
+# Kept by their bytes (a head is ~0.7 KB, ~1 KB with its objects): a model of 20,000
+# distinct small shapes keeps all of them. A cap of 4,096 walks had each load of such a
+# model walk nearly every record again (benchmarks/results/journal.md, "Many small tensors").
+_WALK_BYTES_KEPT = 32 << 20
+_WALK_OVERHEAD = 256
+_walk_bytes = 0
+process_wide(__name__, "_walk_bytes", "the bytes `_walks` holds, as _WALK_BYTES_KEPT counts "
+             "them")
 
 
 def _walked(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -227,10 +234,16 @@ def _walked(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[in
     known = _walks.get(key)
     if known is not None and head.startswith(known[0]):
         return known[1], known[2]
+    global _walk_bytes
     start, nbytes = _walk_head(head, dtype, shape)
-    if len(_walks) >= _WALKS_KEPT:
+    if not _walks:  # cleared, here or by clear_process_state
+        _walk_bytes = 0
+    size = _WALK_OVERHEAD + start
+    if _walk_bytes + size > _WALK_BYTES_KEPT:
         _walks.clear()
+        _walk_bytes = 0
     _walks[key] = (head[:start], start, nbytes)
+    _walk_bytes += size
     return start, nbytes
 
 
@@ -403,6 +416,10 @@ def _read_into(stream: Stream, offset: int, length: int, target: torch.Tensor,
     # The rest of the record (data descriptor, central directory): one read, bounded.
     rest = length - lead - nbytes
     tail = head[lead + nbytes:] if whole else _read_upto(stream, min(rest, _HASH_BLOCK))
+    if whole and len(tail) < min(rest, DESCRIPTOR64.size):
+        # The head ended inside the descriptor (the stream is at the head's end): without
+        # the rest of it, ~1 in 250 tensors of 1-4 KB was declined and loaded by torch.load.
+        tail += _read_upto(stream, min(rest - len(tail), _HASH_BLOCK))
     if check_descriptor:
         try:
             _skip_descriptor(tail[:DESCRIPTOR64.size] + bytes(DESCRIPTOR64.size), 0, nbytes)
