@@ -645,3 +645,27 @@ def test_a_sync_save_and_a_load_run_without_cyclic_gc_passes_and_leave_it_on(tmp
     # Each lets one pass run as the collector comes back on (what the pause deferred).
     assert saved <= 1 and len(passes) <= 1 and gc.isenabled()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_a_load_reads_the_models_state_dict_twice_not_four_times(tmp_path):
+    # A state_dict() of 20,000 parameters costs ~0.1 CPU-s: the targets and the key check
+    # share one read, and applying reads it only for tied weights or derived entries.
+    model = nn.Linear(4, 3)
+    mgr = statereg.CheckpointManager({"storage": {"url": str(tmp_path)},
+                                      "components": {"model": {"kind": "model"}}}, model=model)
+    mgr.save(step=1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    real, reads = model.state_dict, []
+
+    def counted(*args, **kwargs):
+        reads.append(1)
+        return real(*args, **kwargs)
+
+    model.state_dict = counted
+    with torch.no_grad():
+        model.weight.zero_()
+    result = mgr.load(step=1)
+    mgr.close()
+    assert len(reads) == 2  # the targets and the report of the keys
+    assert result is not None and not result.keys["model"].missing
+    assert all(torch.equal(real()[k], v) for k, v in expected.items())
