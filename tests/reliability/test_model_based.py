@@ -100,7 +100,7 @@ class Ckpt:
     metric: float
     deps: frozenset[str]  # root-relative files it reads: its own and those it references
     at: int  # the model's clock when it committed
-    sums: dict[str, str | None]  # deps' contents when it committed (`digest`)
+    sums: dict[str, tuple[str, int] | None]  # deps' contents when it committed (`digest`)
 
 
 @dataclass
@@ -281,15 +281,18 @@ class StorageModel(RuleBasedStateMachine):
             # A reader whose files in this step's directory were damaged did not keep them
             # (`refusal`): the save replaced them. Each is whole again for its readers when
             # the save wrote the same bytes (a deterministic run re-saving a step, seed
-            # 8103), else missing or other than recorded (seed 8009).
+            # 8103), else missing or other than recorded (seed 8009), of the same size
+            # (a listing sees no damage, seed 8201) or not.
             there = [p for p in ckpt.deps if p.startswith(f"{name}/")]
             if other != step and any(
                     p in self.damage and self.damage[p][1] > ckpt.at for p in there):
                 for p in there:
-                    if self.digest(p) == ckpt.sums.get(p):
+                    now, then = self.digest(p), ckpt.sums.get(p)
+                    if now == then:
                         self.damage.pop(p, None)
-                    else:
-                        self.damage[p] = ("delete", self.tick())
+                    else:  # other bytes of the same size: only reading them finds it
+                        same_size = now is not None and then is not None and now[1] == then[1]
+                        self.damage[p] = ("flip" if same_size else "delete", self.tick())
         deps: frozenset[str] = frozenset()
         manifest = self.call("read_manifest", lambda: statereg.read_manifest(
             self.url(step), self.opts))
@@ -300,11 +303,12 @@ class StorageModel(RuleBasedStateMachine):
         self.bad_manifest.pop(step, None)  # a damaged one this save retired
         self.claim_damaged.discard(step)
 
-    def digest(self, path: str) -> str | None:
-        """The file's contents, hashed; None when it is missing."""
+    def digest(self, path: str) -> tuple[str, int] | None:
+        """The file's contents, hashed, and its size; None when it is missing."""
         if not self.root.exists(path):
             return None
-        return hashlib.blake2b(self.root.read(path), digest_size=16).hexdigest()
+        data = self.root.read(path)
+        return hashlib.blake2b(data, digest_size=16).hexdigest(), len(data)
 
     def settle(self, before: list[int], retired: set[int] = frozenset()) -> list[int]:
         """List again: nothing appears that was never committed, and no intact checkpoint
@@ -1398,4 +1402,18 @@ def test_regression_a_step_a_resave_made_whole_again_is_refused_as_intact(tmp_pa
            ("second_writer_saves", {"level": 2, "train": True}),
            ("damage_a_file", {"file": 41, "how": "flip", "pick": 62, "where": 0.3}),
            ("restart_as_another_user", {"saves": 2, "what": "file"}),
+           other_mode="incremental")
+
+
+def test_regression_a_resave_with_other_bytes_of_the_same_size_hides_a_readers_damage(
+        tmp_path, quiet):
+    # Seed 8201 (66614cb): step 3 (the second writer's, incremental) references step 2's file,
+    # which a flip damaged; the restart resumes from 1 and saves 2 again, writing that file
+    # with other bytes of the same size. A listing then sees 3 whole (its load would not), so
+    # retention keeps 2 and 3 and deletes 1; the model counted 3 as visibly damaged.
+    replay(tmp_path, {"keep_last": 2},
+           ("save_while_others_work", {"during": ["second writer saves"], "train": False}),
+           ("second_writer_saves", {"level": 0, "train": False}),
+           ("damage_the_newest_then_restart", {"file": 0, "how": "flip", "mode": "plain",
+                                               "saves": 1, "where": 0.0}),
            other_mode="incremental")
