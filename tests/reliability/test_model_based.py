@@ -137,6 +137,7 @@ class StorageModel(RuleBasedStateMachine):
         self.clock = 0
         self.ckpts: dict[int, Ckpt] = {}
         self.damage: dict[str, tuple[str, int]] = {}  # path -> (how, clock)
+        self.revived: set[int] = set()  # readers the last save made whole again (`record`)
         self.bad_manifest: dict[int, int] = {}  # step -> clock
         self.claim_damaged: set[int] = set()
         self.foreign: dict[int, str] = {}  # step -> what another user left under its name
@@ -286,6 +287,7 @@ class StorageModel(RuleBasedStateMachine):
             there = [p for p in ckpt.deps if p.startswith(f"{name}/")]
             if other != step and any(
                     p in self.damage and self.damage[p][1] > ckpt.at for p in there):
+                revived = True
                 for p in there:
                     now, then = self.digest(p), ckpt.sums.get(p)
                     if now == then:
@@ -293,6 +295,9 @@ class StorageModel(RuleBasedStateMachine):
                     else:  # other bytes of the same size: only reading them finds it
                         same_size = now is not None and then is not None and now[1] == then[1]
                         self.damage[p] = ("flip" if same_size else "delete", self.tick())
+                        revived = False
+                if revived:  # listed again from now on (seed 8383)
+                    self.revived.add(other)
         deps: frozenset[str] = frozenset()
         manifest = self.call("read_manifest", lambda: statereg.read_manifest(
             self.url(step), self.opts))
@@ -330,7 +335,9 @@ class StorageModel(RuleBasedStateMachine):
                   now: list[int]) -> set[int]:
         """Check what a retention run (by a save of `saved` under `rules`) kept; returns the
         steps it may have deleted."""
-        view = sorted({s for s in [*before, saved] if self.looks_intact(s)} | {saved})
+        view = sorted({s for s in [*before, saved, *self.revived] if self.looks_intact(s)}
+                      | {saved})
+        self.revived.clear()
         keep_last = rules.get("keep_last")
         if keep_last is None:
             required = set(view)
@@ -1417,3 +1424,28 @@ def test_regression_a_resave_with_other_bytes_of_the_same_size_hides_a_readers_d
            ("damage_the_newest_then_restart", {"file": 0, "how": "flip", "mode": "plain",
                                                "saves": 1, "where": 0.0}),
            other_mode="incremental")
+
+
+def test_regression_readers_a_resave_made_whole_count_for_retention(tmp_path, quiet):
+    # Seed 8383 (f1a6f9a): steps 4, 6 and 7 read step 4's model file; truncated, all three
+    # list as damaged and the restart resumes from 2. Its save of 4 writes that file again
+    # with the same bytes, so 6 and 7 list again, and retention (keep_last 2) keeps them and
+    # deletes 3. The model kept to the listing before the save, where 6 and 7 were missing.
+    def restart(file: int, how: str, mode: str, saves: int, where: float) -> Any:
+        return ("damage_the_newest_then_restart", {"file": file, "how": how, "mode": mode,
+                                                   "saves": saves, "where": where})
+
+    def bad(which: str) -> Any:
+        return ("save_with_bad_arguments", {"which": which})
+
+    replay(tmp_path, {"keep_last": 2, "keep_every": 2},
+           restart(41, "flip", "plain", 2, 0.0), bad("huge step"),
+           restart(63, "manifest.sum", "plain", 2, 0.3),
+           restart(45, "manifest.json", "plain", 2, 0.9),
+           restart(38, "delete", "incremental", 2, 0.9),
+           restart(22, "flip", "incremental", 2, 0.3),
+           restart(26, "delete", "incremental", 1, 0.0), restart(27, "flip", "plain", 1, 0.5),
+           restart(30, "flip", "incremental", 2, 0.5),
+           restart(12, "delete", "async", 1, 0.9),
+           restart(11, "manifest.json", "incremental", 2, 0.0),
+           restart(54, "truncate", "plain", 2, 0.0))
