@@ -221,9 +221,9 @@ def test_a_layouts_template_writes_torch_saves_bytes_for_any_data(name, sliced, 
         assert record_bytes(other, sliced) == torch_save_bytes(other), seed
 
 
-def test_only_a_layouts_first_record_runs_torchs_writer(monkeypatch):
-    assert templates.templates_checked()  # the probe's own records are not counted
-    made = []
+def _count_torchs_writer(monkeypatch) -> list[tuple[int, ...]]:
+    """From an empty template cache, the shapes whose records torch's writer made (a miss)."""
+    made: list[tuple[int, ...]] = []
     real = crc_stream.save_crc_records
 
     def counted(tensor, out, sliced, crcs=True):
@@ -232,6 +232,12 @@ def test_only_a_layouts_first_record_runs_torchs_writer(monkeypatch):
 
     monkeypatch.setattr(templates, "_templates", {})
     monkeypatch.setattr(crc_stream, "save_crc_records", counted)
+    return made
+
+
+def test_only_a_layouts_first_record_runs_torchs_writer(monkeypatch):
+    assert templates.templates_checked()  # the probe's own records are not counted
+    made = _count_torchs_writer(monkeypatch)
     tensors = [torch.randn(64, 3), torch.randn(64, 3), torch.randn(3, 64), torch.randn(64, 3)]
     assert [record_bytes(t) for t in tensors] == [torch_save_bytes(t) for t in tensors]
     assert made == [(64, 3), (3, 64)]
@@ -244,15 +250,7 @@ def test_a_model_of_thousands_of_distinct_small_shapes_keeps_every_template(monk
     # 20,000 small tensors of distinct sizes (benchmarks/bench_small_tensors.py): a cap of
     # 4,096 templates had every save miss nearly every layout, running torch's writer again.
     assert templates.templates_checked()
-    made = []
-    real = crc_stream.save_crc_records
-
-    def counted(tensor, out, sliced, crcs=True):
-        made.append(tuple(tensor.shape))
-        real(tensor, out, sliced, crcs)
-
-    monkeypatch.setattr(templates, "_templates", {})
-    monkeypatch.setattr(crc_stream, "save_crc_records", counted)
+    made = _count_torchs_writer(monkeypatch)
     tensors = [torch.randn(n) for n in range(1, 5001)]
     for _ in range(2):  # two saves of the same model
         for tensor in tensors:
