@@ -159,9 +159,9 @@ _NOT_MADE = object()
 
 def write_templated(tensor: torch.Tensor, nbytes: int, out: Any, sliced: bool,
                     crcs: bool) -> bool:
-    """Write `tensor`'s record from its layout's template, or, for the layout's first tensor,
-    the record the template is made from (torch's writer runs once per layout, not twice);
-    False, writing nothing, for a layout whose record is not as Template expects."""
+    """Write `tensor`'s record from its layout's template, made from torch's record of the
+    layout's first tensor (torch's writer runs once per layout); False, writing nothing,
+    for a layout already found not as Template expects."""
     key = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
            nbytes, tensor.requires_grad, torch_private.storage_alignment(), crcs)
     found = _templates.get(key, _NOT_MADE)
@@ -174,11 +174,10 @@ def write_templated(tensor: torch.Tensor, nbytes: int, out: Any, sliced: bool,
     crc_stream.save_crc_records(tensor, record, sliced=False, crcs=crcs)
     made = _template_of(record.getvalue(), nbytes, crcs)
     _keep(key, made)
-    data = record.getbuffer()
-    step = layout.SLICE if sliced else max(1, len(data))
-    for start in range(0, len(data), step):
-        out.write(data[start:start + step])
-    out.flush()  # as torch.save ends
+    if made is None:  # written again by torch's writer, in its own pieces
+        crc_stream.save_crc_records(tensor, out, sliced, crcs)
+    else:  # in the pieces a template writes: an encoder sees the payload as one write
+        made.write(tensor, out, sliced)
     return True
 
 
