@@ -136,14 +136,12 @@ def test_a_load_plan_is_made_once_per_checkpoint_and_targets(make_spec, make_mod
                                                              monkeypatch):
     # DCP's planning is kept for the next load of the same checkpoint into the same targets;
     # another checkpoint, or targets of other shapes, are planned afresh.
-    from torch.distributed.checkpoint import default_planner
-
     from statereg.dcp import reader
 
     monkeypatch.setattr(reader, "_load_plans", {})  # none kept from other tests' loads
     plans = []
-    plan = default_planner.create_default_local_load_plan
-    monkeypatch.setattr(default_planner, "create_default_local_load_plan",
+    plan = reader._local_plan
+    monkeypatch.setattr(reader, "_local_plan",
                         lambda *args, **kwargs: plans.append(1) or plan(*args, **kwargs))
     spec = make_spec("model")
     model = make_model(seed=0)
