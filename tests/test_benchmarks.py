@@ -453,7 +453,12 @@ def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names
             if result["versions"][name] == "not installed: run with --install":
                 assert contenders[name] == {"status": "not installed: run with --install",
                                             "rows": {}}
-        assert len(found["bars"]) == 5
+        assert len(found["bars"]) == 6
+        windows = {b["bar"].split(":")[0]: b for b in found["bars"] if "RSS" in b["bar"]}
+        assert set(windows) == {"statereg load", "statereg save"}
+        for op, window in windows.items():
+            row = contenders["statereg"]["rows"][op.split()[1]]
+            assert window["value"] == round(row["rss_growth_gb"], 3)
         assert all(b["met"] is None if b["value"] is None else isinstance(b["met"], bool)
                    for b in found["bars"])
         save_floor = found["bars"][0]

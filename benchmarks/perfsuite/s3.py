@@ -591,19 +591,22 @@ def bars(entries: dict[str, dict[str, Any]], nbytes: int) -> list[dict[str, Any]
         out.append({"bar": f"statereg {ours}: time over DCP + s3torchconnector's",
                     "value": value, "target": "<= 1.0",
                     "met": None if value is None else value <= 1.0})
-    load = entries.get("statereg", {}).get("rows", {}).get("load")
-    if load:
-        from statereg.backends.s3 import S3Backend
+    from statereg.backends.s3 import S3Backend
 
-        window = getattr(S3Backend, "read_window", None)
-        growth = load["rss_growth_gb"] * GB
-        out.append({"bar": "statereg load: peak RSS growth over the live state (GB), against "
-                           f"the stated read window ({window and window / GB:.3f} GB)"
-                           if window else "statereg load: peak RSS growth (no stated window)",
+    for op, stated, what in (("load", "read_window", "read window"),
+                             ("save", "write_window", "part buffers + 64 MiB")):
+        row = entries.get("statereg", {}).get("rows", {}).get(op)
+        if not row:
+            continue
+        window = getattr(S3Backend, stated, None)
+        growth = row["rss_growth_gb"] * GB
+        out.append({"bar": f"statereg {op}: peak RSS growth over the live state (GB), against "
+                           f"the stated {what} ({window and window / GB:.3f} GB)"
+                           if window else f"statereg {op}: peak RSS growth (no stated window)",
                     "value": round(growth / GB, 3),
                     "target": f"<= {window / GB:.3f}" if window else "a stated window",
                     "met": bool(window) and growth <= window,
-                    "over_state": round(load["peak_rss_gb"] * GB / nbytes, 3)})
+                    "over_state": round(row["peak_rss_gb"] * GB / nbytes, 3)})
     return out
 
 

@@ -77,6 +77,10 @@ class S3Backend(StorageBackend):
     # link from 2 cores while bounding a save's buffers to 5 parts per file written at once.
     upload_options = {"chunksize": 8 * 2**20}
     write_parts_in_flight = 4
+    # What a save holds beyond the state: the part buffers of the 8 files the I/O policy
+    # writes at once on an object store (engine/io_policy.py), plus a stated 64 MiB for the
+    # client's own buffers and the save's bookkeeping.
+    write_window = 8 * (write_parts_in_flight + 1) * upload_options["chunksize"] + 64 * 2**20
     # Loads: ranged GETs of this size, this many ahead per file being read: the memory a
     # load holds beyond its destination tensors is at most (read_ahead + 1) x read_chunk per
     # reader thread; `read_window` at the 8 readers the I/O policy gives an object store
