@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -191,6 +192,17 @@ def resuming_loader(name: str, fix: str) -> Iterator[None]:
             f"saved to resume exactly, or {fix}") from exc
 
 
+# The private names of torch's DataLoader and torchdata's StatefulDataLoader this adapter uses,
+# in one block (docs/compatibility.md, "Private names of data loaders"); tests/compat checks
+# them on the pinned releases. `_iterator`: the loader's live iterator (None before the first
+# iter()); `_initial_iter_for_state_dict`: torchdata's flag on an iterator that its own
+# state_dict() made without iterating; `_get_iterator`: the method that builds an iterator,
+# wrapped once on restore (_build_resumed_iterator_outside_the_global_rng).
+LIVE_ITERATOR = "_iterator"
+STATE_DICT_ITERATOR = "_initial_iter_for_state_dict"
+BUILD_ITERATOR = "_get_iterator"
+
+
 class DataloaderAdapter(ObjectAdapter):
     """A dataloader (e.g. torchdata's StatefulDataLoader); refuses to rewind one
     mid-iteration, and a saved position that belongs to another loader (check_loader_shape).
@@ -217,8 +229,8 @@ class DataloaderAdapter(ObjectAdapter):
     def check_ready(self) -> None:
         # StatefulDataLoader keeps its live iterator in `_iterator`; its own state_dict()
         # creates one without iterating and flags it `_initial_iter_for_state_dict`.
-        iterating = getattr(self.obj, "_iterator", None) is not None
-        if iterating and not getattr(self.obj, "_initial_iter_for_state_dict", False):
+        iterating = getattr(self.obj, LIVE_ITERATOR, None) is not None
+        if iterating and not getattr(self.obj, STATE_DICT_ITERATOR, False):
             raise LoadOrderError(
                 f"component {self.name!r}: the dataloader was already iterated before its saved "
                 "state was applied, so resuming would not continue the data where it stopped; "
@@ -231,8 +243,16 @@ class DataloaderAdapter(ObjectAdapter):
         if loader is not None:
             state = check_loader_shape(self.name, state, loader, self.fix)
         super().restore(state)
-        if callable(getattr(type(self.obj), "_get_iterator", None)):
+        if callable(getattr(type(self.obj), BUILD_ITERATOR, None)):
             self._build_resumed_iterator_outside_the_global_rng()
+        elif isinstance(self.obj, torch.utils.data.DataLoader):
+            warnings.warn(
+                f"component {self.name!r}: {type(self.obj).__name__} has no {BUILD_ITERATOR}() "
+                f"(torch {torch.__version__}), so statereg cannot build its resumed iterator "
+                "outside the global RNG: the resumed run may draw one more seed from it than "
+                "the uninterrupted run did (random ops after resume then differ). Install a "
+                "torch release docs/compatibility.md lists as tested", RuntimeWarning,
+                stacklevel=2)
 
     def reshard(self, states: list[Any], rank: int, world_size: int) -> Any:
         """As ObjectAdapter.reshard, from the saved states without their recorded shape
@@ -253,12 +273,12 @@ class DataloaderAdapter(ObjectAdapter):
         then the loader's own method takes over again.
         """
         loader = self.obj
-        build = type(loader)._get_iterator
+        build = getattr(type(loader), BUILD_ITERATOR)
         name, fix = self.name, self.fix
 
         def build_once() -> Any:
-            del loader._get_iterator  # back to the class's method for every later epoch
+            delattr(loader, BUILD_ITERATOR)  # back to the class's method for every later epoch
             with torch.random.fork_rng(devices=[]), resuming_loader(name, fix):
                 return build(loader)
 
-        loader._get_iterator = build_once
+        setattr(loader, BUILD_ITERATOR, build_once)
