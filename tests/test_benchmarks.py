@@ -18,8 +18,10 @@ import json
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -424,6 +426,7 @@ def test_field_quick_measures_the_in_process_contenders_and_reports_peers_not_in
 
 def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names_missing_peers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
     """perfsuite/s3.py --quick without the benchmark venv: SeaweedFS started on 127.0.0.1 and
     stopped, both shapes, statereg (sync save, cold load, async stall and commit), DCP on s3fs
@@ -432,8 +435,12 @@ def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names
     are listed, evaluated where both sides were measured; nothing is installed."""
     forbid_installs(monkeypatch)
     out, venv = tmp_path / "out", tmp_path / "no-venv"
+    # SeaweedFS's unix sockets go under --dir, and a socket's path may have 107 bytes: under
+    # pytest-xdist, tmp_path (.../popen-gw0/test_s3_quick_measures_statere0) leaves too few.
+    work = Path(tempfile.mkdtemp(prefix="statereg-s3q-"))
+    request.addfinalizer(lambda: shutil.rmtree(work, ignore_errors=True))
     run_here(monkeypatch, capsys, tmp_path, "-m", "perfsuite.s3", "--quick", "--dir",
-             str(tmp_path), "--out", str(out), "--bench-venv", str(venv))
+             str(work), "--out", str(out), "--bench-venv", str(venv))
     assert not venv.exists()
     result = json.loads((out / "s3.json").read_text())
     assert {"command", "machine", "versions", "shapes", "load_average", "elapsed_s"} <= set(result)
@@ -463,7 +470,7 @@ def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names
         assert save_floor["value"] == round(floor / contenders["statereg"]["rows"]["save"][
             "median_s"], 3)
     assert "| statereg | sync save |" in (out / "s3.md").read_text()
-    assert not list(tmp_path.glob("statereg-s3-*"))  # the server's data is removed
+    assert not list(work.glob("statereg-s3-*"))  # the server's data is removed
 
 
 def test_before_after_times_two_trees_in_one_table(
