@@ -14,6 +14,7 @@ one forkserver that imported torch once.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -54,11 +55,13 @@ SUITE_ROWS = {
 def run_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cwd: Path,
              script: str, *argv: str) -> str:
     """Run `python benchmarks/<script> argv` (a module: `-m name`) in this process, from `cwd`;
-    its stdout. Fails on a non-zero exit; environment variables and torch's thread count
-    are restored after it (scripts set both for themselves)."""
+    its stdout. Fails on a non-zero exit; environment variables, torch's thread count and
+    whether the cyclic collector runs are restored after it (scripts set them for themselves:
+    bench_scale.py turns the collector off, which left it off for every later test of this
+    process, e.g. test_save_load's check that a save turns it back on)."""
     monkeypatch.chdir(cwd)
     monkeypatch.syspath_prepend(str(BENCH))  # as `python script.py` puts its folder first
-    environ, threads = dict(os.environ), torch.get_num_threads()
+    environ, threads, collecting = dict(os.environ), torch.get_num_threads(), gc.isenabled()
     capsys.readouterr()
     try:
         if script == "-m":
@@ -74,6 +77,8 @@ def run_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
         os.environ.clear()
         os.environ.update(environ)
         torch.set_num_threads(threads)
+        if collecting:
+            gc.enable()
     return capsys.readouterr().out
 
 
