@@ -1,9 +1,10 @@
 """Shared builders for the suite: tiny models, a tiny dataset and a declaration factory.
 
-Everything here is small on purpose: the whole suite runs on two CPU cores in well under a
-minute. Storage roots live under pytest's `tmp_path`; S3, GCS and Azure roots live on real
-local servers (moto and SeaweedFS for S3, gcp-storage-emulator, Azurite) that start once per
-session, only if a test asks.
+Everything here is small on purpose: the whole suite runs on CI's two CPU cores. Storage
+roots live under pytest's `tmp_path`; S3, GCS and Azure roots live on real local servers (moto
+and SeaweedFS for S3, gcp-storage-emulator, Azurite) that start once per session, only if a
+test asks. Under pytest-xdist (scripts/test.sh runs the whole suite on two workers) each
+worker is a session: it starts its own servers, on free ports, in its own temporary folders.
 """
 
 from __future__ import annotations
