@@ -65,6 +65,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
+# -- figures a test reports in the run's output ------------------------------------------
+
+_FIGURES: list[str] = []
+
+
+@pytest.fixture
+def report_figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """`report_figure(line)`: a figure the test measured (a matrix's size, a sweep's count),
+    printed in the run's "figures" section. It travels in the test's report, so it reaches
+    the output from a pytest-xdist worker too, whose own stdout nobody sees."""
+    return lambda line: request.node.user_properties.append(("figure", line))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _FIGURES.extend(str(value) for name, value in report.user_properties
+                        if name == "figure")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _FIGURES:
+        terminalreporter.section("figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
+
+
 class TinyNet(nn.Module):
     """Linear -> ReLU -> Dropout -> Linear: 8 features in, 1 out."""
 
