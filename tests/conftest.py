@@ -1,9 +1,10 @@
 """Shared builders for the suite: tiny models, a tiny dataset and a declaration factory.
 
-Everything here is small on purpose: the whole suite runs on two CPU cores in well under a
-minute. Storage roots live under pytest's `tmp_path`; S3, GCS and Azure roots live on real
-local servers (moto and SeaweedFS for S3, gcp-storage-emulator, Azurite) that start once per
-session, only if a test asks.
+Everything here is small on purpose: the whole suite runs on CI's two CPU cores. Storage
+roots live under pytest's `tmp_path`; S3, GCS and Azure roots live on real local servers (moto
+and SeaweedFS for S3, gcp-storage-emulator, Azurite) that start once per session, only if a
+test asks. Under pytest-xdist (scripts/test.sh runs the whole suite on two workers) each
+worker is a session: it starts its own servers, on free ports, in its own temporary folders.
 """
 
 from __future__ import annotations
@@ -62,6 +63,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.startswith(slow):
             item.add_marker(pytest.mark.slow)
+
+
+# -- figures a test reports in the run's output ------------------------------------------
+
+_FIGURES: list[str] = []
+
+
+@pytest.fixture
+def report_figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """`report_figure(line)`: a figure the test measured (a matrix's size, a sweep's count),
+    printed in the run's "figures" section. It travels in the test's report, so it reaches
+    the output from a pytest-xdist worker too, whose own stdout nobody sees."""
+    return lambda line: request.node.user_properties.append(("figure", line))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _FIGURES.extend(str(value) for name, value in report.user_properties
+                        if name == "figure")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _FIGURES:
+        terminalreporter.section("figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
 
 
 class TinyNet(nn.Module):

@@ -14,12 +14,15 @@ one forkserver that imported torch once.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,11 +55,13 @@ SUITE_ROWS = {
 def run_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cwd: Path,
              script: str, *argv: str) -> str:
     """Run `python benchmarks/<script> argv` (a module: `-m name`) in this process, from `cwd`;
-    its stdout. Fails on a non-zero exit; environment variables and torch's thread count
-    are restored after it (scripts set both for themselves)."""
+    its stdout. Fails on a non-zero exit; environment variables, torch's thread count and
+    whether the cyclic collector runs are restored after it (scripts set them for themselves:
+    bench_scale.py turns the collector off, which left it off for every later test of this
+    process, e.g. test_save_load's check that a save turns it back on)."""
     monkeypatch.chdir(cwd)
     monkeypatch.syspath_prepend(str(BENCH))  # as `python script.py` puts its folder first
-    environ, threads = dict(os.environ), torch.get_num_threads()
+    environ, threads, collecting = dict(os.environ), torch.get_num_threads(), gc.isenabled()
     capsys.readouterr()
     try:
         if script == "-m":
@@ -72,6 +77,8 @@ def run_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
         os.environ.clear()
         os.environ.update(environ)
         torch.set_num_threads(threads)
+        if collecting:
+            gc.enable()
     return capsys.readouterr().out
 
 
@@ -424,6 +431,7 @@ def test_field_quick_measures_the_in_process_contenders_and_reports_peers_not_in
 
 def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names_missing_peers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
     """perfsuite/s3.py --quick without the benchmark venv: SeaweedFS started on 127.0.0.1 and
     stopped, both shapes, statereg (sync save, cold load, async stall and commit), DCP on s3fs
@@ -432,8 +440,12 @@ def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names
     are listed, evaluated where both sides were measured; nothing is installed."""
     forbid_installs(monkeypatch)
     out, venv = tmp_path / "out", tmp_path / "no-venv"
+    # SeaweedFS's unix sockets go under --dir, and a socket's path may have 107 bytes: under
+    # pytest-xdist, tmp_path (.../popen-gw0/test_s3_quick_measures_statere0) leaves too few.
+    work = Path(tempfile.mkdtemp(prefix="statereg-s3q-"))
+    request.addfinalizer(lambda: shutil.rmtree(work, ignore_errors=True))
     run_here(monkeypatch, capsys, tmp_path, "-m", "perfsuite.s3", "--quick", "--dir",
-             str(tmp_path), "--out", str(out), "--bench-venv", str(venv))
+             str(work), "--out", str(out), "--bench-venv", str(venv))
     assert not venv.exists()
     result = json.loads((out / "s3.json").read_text())
     assert {"command", "machine", "versions", "shapes", "load_average", "elapsed_s"} <= set(result)
@@ -468,7 +480,7 @@ def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names
         assert save_floor["value"] == round(floor / contenders["statereg"]["rows"]["save"][
             "median_s"], 3)
     assert "| statereg | sync save |" in (out / "s3.md").read_text()
-    assert not list(tmp_path.glob("statereg-s3-*"))  # the server's data is removed
+    assert not list(work.glob("statereg-s3-*"))  # the server's data is removed
 
 
 def test_before_after_times_two_trees_in_one_table(

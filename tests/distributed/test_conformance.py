@@ -11,6 +11,7 @@ The combinations are generated from the schema, so a new kind, sharing or format
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,9 @@ WORLD_SIZES = (1, 2, 4)
 
 
 def test_every_combination_the_schema_refuses_is_a_spec_error_at_load_spec(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    with capsys.disabled():  # the matrix's size belongs in the test output
-        print(f"\nschema matrix: {len(ACCEPTED)} accepted, {len(REFUSED)} refused "
-              f"kind x sharing x format combinations")
+        report_figure: Callable[[str], None]) -> None:
+    report_figure(f"schema matrix: {len(ACCEPTED)} accepted, {len(REFUSED)} refused "
+                  f"kind x sharing x format combinations")
     assert ACCEPTED and REFUSED
     for kind, sharing, fmt in REFUSED:
         with pytest.raises(statereg.SpecError, match=r"components\.c") as info:
@@ -88,11 +88,10 @@ def conformance_pass(rank: int, world: int, root: Path, save: bool, load_from: l
 
 
 def test_every_accepted_combination_round_trips_at_world_sizes_1_2_4(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with capsys.disabled():
-        print(f"\nconformance matrix: {len(ACCEPTED)} combinations x {len(WORLD_SIZES)} world "
-              f"sizes = {len(ACCEPTED) * len(WORLD_SIZES)} save/load cases, plus "
-              f"{len(ACCEPTED) * 6} loads across world sizes")
+        tmp_path: Path, report_figure: Callable[[str], None]) -> None:
+    report_figure(f"conformance matrix: {len(ACCEPTED)} combinations x {len(WORLD_SIZES)} "
+                  f"world sizes = {len(ACCEPTED) * len(WORLD_SIZES)} save/load cases, plus "
+                  f"{len(ACCEPTED) * 6} loads across world sizes")
     root = tmp_path / "matrix"
     # Each size saves and loads its own; then loads across sizes, both ways.
     run_ranks(1, conformance_pass, tmp_path, root, True, [])

@@ -92,7 +92,7 @@ def flips(directory: Path, payload: bytes) -> list[tuple[str, int, int]]:
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_every_swept_bit_flip_is_caught_and_leaves_nothing_usable_damaged(tmp_path, compression,
-                                                                          capsys):
+                                                                          report_figure):
     decl = declaration(tmp_path, compression)
     for step in (1, 2):
         statereg.CheckpointManager(decl, **Tiny(step).objects()).save(step=step)
@@ -135,10 +135,9 @@ def test_every_swept_bit_flip_is_caught_and_leaves_nothing_usable_damaged(tmp_pa
         path.write_bytes(original)
 
     elapsed = time.perf_counter() - started
-    with capsys.disabled():
-        print(f"\n{compression}: {len(swept)} single-bit flips through the default load(), all "
-              f"CorruptCheckpointError; {outcomes['unchanged']} left the live objects "
-              f"unchanged, {outcomes['refused']} made save() refuse ({elapsed:.1f} s)")
+    report_figure(f"{compression}: {len(swept)} single-bit flips through the default load(), "
+                  f"all CorruptCheckpointError; {outcomes['unchanged']} left the live objects "
+                  f"unchanged, {outcomes['refused']} made save() refuse ({elapsed:.1f} s)")
     assert sum(outcomes.values()) == len(swept) > 3000
     assert "optimizer/__0_0.distcp" in restored  # a failed load always overwrote the model
     assert mgr.load(url).step == 2  # the intact checkpoint loads, bit for bit
