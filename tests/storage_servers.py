@@ -131,12 +131,15 @@ def azurite_args() -> list[str]:
             "--skipApiVersionCheck", "--disableTelemetry", "--silent"]
 
 
-def seaweedfs_args(workspace: Path) -> list[str]:
+def seaweedfs_args(workspace: Path, sockets: Path | None = None) -> list[str]:
     """`weed server` with its S3 gateway on {port}: master, volume, filer and S3 in one
-    process, every port a free one on 127.0.0.1, data, logs and the sockets it can be told
-    about in `workspace` (by default they pile up in /tmp, one set per test run)."""
-    return [f"-logdir={workspace}", "server", "-s3", f"-s3.localSocket={workspace}/s3.sock",
-            f"-filer.localSocket={workspace}/filer.sock", "-ip=127.0.0.1",
+    process, every port a free one on 127.0.0.1, data and logs in `workspace`, and the unix
+    sockets it can be told about in `sockets` (default `workspace`; by default weed piles
+    them up in /tmp, one set per run). A socket's path may have at most 107 bytes: give a
+    short `sockets` folder where `workspace`'s path is long."""
+    sockets = sockets or workspace
+    return [f"-logdir={workspace}", "server", "-s3", f"-s3.localSocket={sockets}/s3.sock",
+            f"-filer.localSocket={sockets}/filer.sock", "-ip=127.0.0.1",
             "-ip.bind=127.0.0.1", f"-dir={workspace}",
             "-master.port={port1}", "-master.port.grpc={port2}", "-volume.port={port3}",
             "-volume.port.grpc={port4}", "-filer.port={port5}", "-filer.port.grpc={port6}",

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import runpy
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -431,7 +430,6 @@ def test_field_quick_measures_the_in_process_contenders_and_reports_peers_not_in
 
 def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names_missing_peers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-    request: pytest.FixtureRequest,
 ) -> None:
     """perfsuite/s3.py --quick without the benchmark venv: SeaweedFS started on 127.0.0.1 and
     stopped, both shapes, statereg (sync save, cold load, async stall and commit), DCP on s3fs
@@ -440,12 +438,14 @@ def test_s3_quick_measures_statereg_dcp_on_s3fs_and_boto3_on_seaweedfs_and_names
     are listed, evaluated where both sides were measured; nothing is installed."""
     forbid_installs(monkeypatch)
     out, venv = tmp_path / "out", tmp_path / "no-venv"
-    # SeaweedFS's unix sockets go under --dir, and a socket's path may have 107 bytes: under
-    # pytest-xdist, tmp_path (.../popen-gw0/test_s3_quick_measures_statere0) leaves too few.
-    work = Path(tempfile.mkdtemp(prefix="statereg-s3q-"))
-    request.addfinalizer(lambda: shutil.rmtree(work, ignore_errors=True))
+    # A --dir whose path is too long for SeaweedFS's unix sockets (107 bytes at most): the
+    # scenario keeps them in a short folder of their own, removed with the server.
+    work = tmp_path / ("d" * (110 - len(str(tmp_path))))
+    work.mkdir()
+    sockets = set(Path(tempfile.gettempdir()).glob("statereg-weed-*"))
     run_here(monkeypatch, capsys, tmp_path, "-m", "perfsuite.s3", "--quick", "--dir",
              str(work), "--out", str(out), "--bench-venv", str(venv))
+    assert set(Path(tempfile.gettempdir()).glob("statereg-weed-*")) <= sockets
     assert not venv.exists()
     result = json.loads((out / "s3.json").read_text())
     assert {"command", "machine", "versions", "shapes", "load_average", "elapsed_s"} <= set(result)

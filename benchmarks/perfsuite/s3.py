@@ -192,9 +192,12 @@ class Server:
     def __init__(self, work: Path) -> None:
         workspace = work / "seaweedfs"
         workspace.mkdir(parents=True)
+        # Its unix sockets in a short folder of their own: a --dir whose path is long would
+        # make them longer than a socket's path may be (107 bytes), and weed exits at start.
+        self.sockets = Path(tempfile.mkdtemp(prefix="statereg-weed-"))
         args = [a.replace("-master.volumeSizeLimitMB=64", "-master.volumeSizeLimitMB=1024")
                  .replace("-volume.max=32", "-volume.max=64")
-                for a in seaweedfs_args(workspace)]
+                for a in seaweedfs_args(workspace, self.sockets)]
         # `weed` lies beside the main venv's python (the benchmark venv has none of its own).
         weed = WEED if WEED.exists() else REPO / ".venv" / "bin" / "weed"
         self.process = start_server("seaweedfs", args, workspace, "/", program=str(weed))
@@ -219,6 +222,7 @@ class Server:
 
     def stop(self) -> None:
         self.process.stop()
+        shutil.rmtree(self.sockets, ignore_errors=True)
         for arg in map(str, self.process.process.args):
             if ".grpc=" in arg:
                 Path(f"/tmp/seaweedfs-{arg.split('.')[0].lstrip('-')}-grpc-"
