@@ -349,7 +349,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -376,6 +375,7 @@ def _local_plan(state: dict[str, Any], metadata: Metadata, strict: bool) -> Load
                 continue
         items += create_default_local_load_plan({fqn: obj}, metadata, strict).items
     return LoadPlan(items)
+
 
 def load_in_place(state: dict[str, Any], reader: BackendReader,
                   planner: DefaultLoadPlanner) -> None:
