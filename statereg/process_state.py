@@ -71,6 +71,27 @@ class ProcessWide:
             value.clear()
 
 
+class BytesBounded(dict[Any, Any]):
+    """A cache whose entries' stated sizes sum to at most a bound: an entry that would pass
+    it first forgets all the others (layouts that come and go), and counting starts again.
+    `clear()` (clear_process_state's) resets the count with the entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = 0
+
+    def keep(self, key: Any, value: Any, size: int, bound: int) -> None:
+        """Remember `value` under `key`, counting `size` bytes against `bound`."""
+        if self.held + size > bound:
+            self.clear()
+        self[key] = value
+        self.held += size
+
+    def clear(self) -> None:
+        super().clear()
+        self.held = 0
+
+
 _ENTRIES: dict[str, ProcessWide] = {}
 
 

@@ -192,3 +192,16 @@ def test_clearing_empties_the_caches_a_save_and_load_filled(make_spec, make_mode
                                                  model.state_dict().values(), strict=True))
     assert memory.read_bytes("probe") == b"x"  # memory:// data is no cache
     assert fsspec.filesystem("memory").store is type(memory.fs).store
+
+
+def test_a_bytes_bounded_cache_forgets_everything_past_its_bound_and_clear_resets_the_count():
+    from statereg.process_state import BytesBounded
+
+    cache = BytesBounded()
+    for key in range(3):
+        cache.keep(key, str(key), 40, bound=100)
+    assert dict(cache) == {2: "2"} and cache.held == 40  # the third would pass 100
+    cache.clear()  # as clear_process_state clears it
+    assert cache == {} and cache.held == 0
+    cache.keep("a", 1, 100, bound=100)
+    assert dict(cache) == {"a": 1}

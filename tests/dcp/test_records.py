@@ -20,6 +20,7 @@ from statereg.backends.kernel import available_memory
 from statereg.dcp import torch_private, torchsave
 from statereg.dcp.torchsave import crc_stream, crcs, layout, templates
 from statereg.errors import StateregError
+from statereg.process_state import BytesBounded
 
 
 def torch_save_bytes(tensor: torch.Tensor) -> bytes:
@@ -90,7 +91,7 @@ def test_records_without_crcs_are_torch_saves_with_its_crc_option_off(name, path
     # set_crc32_options(False), for any data of a layout, and torch.load reads them.
     if path != "as chosen":
         monkeypatch.setattr(templates, "TEMPLATED_UP_TO", -1)
-    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(templates, "_templates", BytesBounded())
     first = TENSORS[name]()
     tensors = [first] + [first.logical_not() if first.dtype == torch.bool
                          else other_data(first, seed) for seed in range(3)]
@@ -152,7 +153,7 @@ def test_the_template_probe_covers_records_without_crcs(monkeypatch):
             out.write(b"!")
 
     monkeypatch.setattr(templates, "_templates_usable", None)
-    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(templates, "_templates", BytesBounded())
     monkeypatch.setattr(templates.Template, "write", crc_less_differs)
     with pytest.warns(RuntimeWarning, match="records are written without templates"):
         assert not templates.templates_checked()
@@ -212,7 +213,7 @@ def other_data(tensor: torch.Tensor, seed: int) -> torch.Tensor:
 def test_a_layouts_template_writes_torch_saves_bytes_for_any_data(name, sliced, monkeypatch):
     # The template is made from the first record of a layout; every later tensor of that
     # layout, whatever its bytes (one that starts like a descriptor too), gets torch.save's.
-    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(templates, "_templates", BytesBounded())
     first = TENSORS[name]()
     assert record_bytes(first, sliced) == torch_save_bytes(first)
     for seed in range(4):
@@ -230,7 +231,7 @@ def _count_torchs_writer(monkeypatch) -> list[tuple[int, ...]]:
         made.append(tuple(tensor.shape))
         real(tensor, out, sliced, crcs)
 
-    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(templates, "_templates", BytesBounded())
     monkeypatch.setattr(crc_stream, "save_crc_records", counted)
     return made
 
@@ -275,7 +276,7 @@ def test_a_torch_whose_records_hold_more_data_dependent_bytes_gets_no_templates(
         out.write(b"!")
 
     monkeypatch.setattr(templates, "_templates_usable", None)
-    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(templates, "_templates", BytesBounded())
     monkeypatch.setattr(templates.Template, "write", other_bytes)
     with pytest.warns(RuntimeWarning, match="records are written without templates"):
         assert not templates.templates_checked()
@@ -290,7 +291,7 @@ def test_a_record_not_shaped_as_expected_keeps_its_layout_on_the_plain_path(monk
     def unexpected(self, record, payload, crcs=True):  # e.g. a torch writing two storages
         raise layout.Unexpected("one storage record and a serialization id")
 
-    monkeypatch.setattr(templates, "_templates", {})
+    monkeypatch.setattr(templates, "_templates", BytesBounded())
     monkeypatch.setattr(templates.Template, "__init__", unexpected)
     tensors = [torch.randn(7, 7), torch.randn(7, 7)]
     assert [record_bytes(t) for t in tensors] == [torch_save_bytes(t) for t in tensors]

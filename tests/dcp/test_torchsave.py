@@ -14,6 +14,7 @@ import xxhash
 
 from statereg.dcp import torchsave
 from statereg.dcp.torchsave import read
+from statereg.process_state import BytesBounded
 
 
 def record(tensor: torch.Tensor, lead: bytes = b"lead") -> tuple[io.BytesIO, int, int]:
@@ -132,7 +133,7 @@ def test_a_layout_is_walked_once_and_a_record_that_starts_otherwise_is_walked_ag
     # Records of one layout start with the same bytes: the walk's answer is kept and reused
     # for a record whose head starts with them; any other head (damage in its pickle, the
     # header of a record of another storage) is walked afresh and declined if it must be.
-    monkeypatch.setattr(read, "_walks", {})
+    monkeypatch.setattr(read, "_walks", BytesBounded())
     walked = []
     real = read._walk_head
 
@@ -175,7 +176,7 @@ def test_a_model_of_thousands_of_distinct_small_shapes_is_walked_once(monkeypatc
     # 20,000 small tensors of distinct sizes (benchmarks/bench_small_tensors.py): a cap of
     # 4,096 walks had each load walk nearly every record again. The bound is on bytes.
     assert read.reads_checked()  # the probe's own walks are not counted
-    monkeypatch.setattr(read, "_walks", {})
+    monkeypatch.setattr(read, "_walks", BytesBounded())
     walked = []
     real = read._walk_head
 

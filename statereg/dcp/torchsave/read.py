@@ -50,7 +50,7 @@ from statereg.dcp.torchsave.layout import (
     warn_fallback,
 )
 from statereg.errors import CorruptCheckpointError
-from statereg.process_state import process_wide
+from statereg.process_state import BytesBounded, process_wide
 
 # Every typed storage class torch.save names, for bounding what a record declares.
 _SCANNED_STORAGE_DTYPES = {**STORAGE_DTYPES, "ComplexFloatStorage": torch.complex64,
@@ -216,16 +216,13 @@ _WALK_ERRORS = (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeErr
 # (start, size). _walk_head reads nothing past the payload's start, so a record whose first
 # `start` bytes are the same has the same answer: the records of one layout (torch.save
 # writes them alike) are walked once, then compared.
-_walks: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, int, int]] = {}
-process_wide(__name__, "_walks", "each tensor layout's record head is walked once, then compared")
 # Kept by their bytes (a head is ~0.7 KB, ~1 KB with its objects): a model of 20,000
 # distinct small shapes keeps all of them. A cap of 4,096 walks had each load of such a
 # model walk nearly every record again (benchmarks/results/journal.md, "Many small tensors").
+_walks = BytesBounded()  # (dtype, shape) -> (head, payload start, payload bytes)
+process_wide(__name__, "_walks", "each tensor layout's record head is walked once, then compared")
 _WALK_BYTES_KEPT = 32 << 20
 _WALK_OVERHEAD = 256
-_walk_bytes = 0
-process_wide(__name__, "_walk_bytes", "the bytes `_walks` holds, as _WALK_BYTES_KEPT counts "
-             "them")
 
 
 def _walked(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -234,16 +231,8 @@ def _walked(head: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[in
     known = _walks.get(key)
     if known is not None and head.startswith(known[0]):
         return known[1], known[2]
-    global _walk_bytes
     start, nbytes = _walk_head(head, dtype, shape)
-    if not _walks:  # cleared, here or by clear_process_state
-        _walk_bytes = 0
-    size = _WALK_OVERHEAD + start
-    if _walk_bytes + size > _WALK_BYTES_KEPT:
-        _walks.clear()
-        _walk_bytes = 0
-    _walks[key] = (head[:start], start, nbytes)
-    _walk_bytes += size
+    _walks.keep(key, (head[:start], start, nbytes), _WALK_OVERHEAD + start, _WALK_BYTES_KEPT)
     return start, nbytes
 
 

@@ -32,7 +32,7 @@ from statereg.dcp.torchsave.layout import (
     crc32,
     hash_combine,
 )
-from statereg.process_state import process_wide
+from statereg.process_state import BytesBounded, process_wide
 
 # Tensors of at most this many bytes are written from a template of their layout: past it,
 # torch's per-record work is nothing beside the bytes' own, and records stay below zip64's
@@ -148,12 +148,9 @@ def _entries(record: bytes) -> list[tuple[str, int, int, int]]:
     return sorted(entries, key=lambda e: e[1])
 
 
-_templates: dict[tuple[Any, ...], Template | None] = {}
+_templates = BytesBounded()  # layout key -> Template, or None: not as Template expects
 process_wide(__name__, "_templates", "one record template per tensor layout, made from its "
              "first record")
-_kept_bytes = 0
-process_wide(__name__, "_kept_bytes", "the bytes `_templates` holds, as "
-             "_TEMPLATE_BYTES_KEPT counts them")
 _NOT_MADE = object()
 
 
@@ -170,10 +167,10 @@ def write_templated(tensor: torch.Tensor, nbytes: int, out: Any, sliced: bool,
     if found is not _NOT_MADE:
         cast("Template", found).write(tensor, out, sliced)
         return True
-    record = io.BytesIO()
-    crc_stream.save_crc_records(tensor, record, sliced=False, crcs=crcs)
-    made = _template_of(record.getvalue(), nbytes, crcs)
-    _keep(key, made)
+    made = _make_template(tensor, nbytes, crcs)
+    # Layouts that come and go (one-off shapes) are forgotten past _TEMPLATE_BYTES_KEPT.
+    _templates.keep(key, made, _TEMPLATE_OVERHEAD
+                    + (len(made.prefix) + len(made.suffix) if made else 0), _TEMPLATE_BYTES_KEPT)
     if made is None:  # written again by torch's writer, in its own pieces
         crc_stream.save_crc_records(tensor, out, sliced, crcs)
     else:  # in the pieces a template writes: an encoder sees the payload as one write
@@ -181,29 +178,13 @@ def write_templated(tensor: torch.Tensor, nbytes: int, out: Any, sliced: bool,
     return True
 
 
-def _keep(key: tuple[Any, ...], made: Template | None) -> None:
-    """Remember `made` for `key`, first forgetting every template once they hold
-    _TEMPLATE_BYTES_KEPT (layouts that come and go: one-off shapes)."""
-    global _kept_bytes
-    size = _TEMPLATE_OVERHEAD + (len(made.prefix) + len(made.suffix) if made else 0)
-    if not _templates:  # cleared, here or by clear_process_state
-        _kept_bytes = 0
-    if _kept_bytes + size > _TEMPLATE_BYTES_KEPT:
-        _templates.clear()
-        _kept_bytes = 0
-    _templates[key] = made
-    _kept_bytes += size
-
-
 def _make_template(tensor: torch.Tensor, nbytes: int, crcs: bool = True) -> Template | None:
+    """The template of `tensor`'s layout, from torch's record of it; None for a record not
+    as Template expects."""
     record = io.BytesIO()
     crc_stream.save_crc_records(tensor, record, sliced=False, crcs=crcs)
-    return _template_of(record.getvalue(), nbytes, crcs)
-
-
-def _template_of(record: bytes, nbytes: int, crcs: bool) -> Template | None:
     try:
-        return Template(record, nbytes, crcs)
+        return Template(record.getvalue(), nbytes, crcs)
     except (Unexpected, struct.error):
         return None
 
