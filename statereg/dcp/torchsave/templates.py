@@ -60,9 +60,9 @@ class Template:
     writer then does. torch's pickler and ~40 pieces through Python per record are spared:
     ~20 us a record instead of 150-300 us. A record of another shape (zip64, the id before
     the payload, a second storage) raises Unexpected and its layout keeps the plain path.
-    The first record of a layout is serialized by torch's writer into memory, written out,
-    and made the template (`write_templated`), which a save of the same shapes pays once per
-    process.
+    The first record of a layout is serialized by torch's writer into memory, made the
+    template, and written through it like every later one (`write_templated`): a save of
+    the same shapes pays torch's writer once per layout and process.
     """
 
     def __init__(self, record: bytes, payload: int, crcs: bool = True) -> None:
